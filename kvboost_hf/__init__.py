@@ -1,0 +1,19 @@
+"""kvboost_hf: cross-request KV-cache reuse for Hugging Face transformers."""
+
+from .cache import ChunkReuseCache
+from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats, warm
+from .store import ChunkStore
+from .telemetry import ReuseStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChunkReuseCache",
+    "ChunkStore",
+    "ReuseStats",
+    "disable_chunk_reuse",
+    "enable_chunk_reuse",
+    "is_chunk_reuse_enabled",
+    "last_request_stats",
+    "warm",
+]
