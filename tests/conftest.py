@@ -98,3 +98,45 @@ def gemma_model(gemma):
     disable_chunk_reuse(model)
     yield model, tokenizer
     disable_chunk_reuse(model)
+
+
+def make_tiny_tokenizer():
+    """A word-level tokenizer for the tiny models: ``<pad>``, ``<bos>``, ``<eos>``, then ``w3``..``w95``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def words(ids: torch.Tensor) -> str:
+    return " ".join(f"w{int(i)}" for i in ids.reshape(-1))
+
+
+LANGUAGE_MODELS = FAMILIES + ["gemma-270m"]
+
+
+@pytest.fixture(params=LANGUAGE_MODELS)
+def lm(request, tiny_models):
+    """``(model, tokenizer, texts)``: each tiny family with a word tokenizer, and the real Gemma.
+
+    ``texts`` are three prompts: a base, one sharing a long prefix with it, and a third
+    sharing the same prefix.
+    """
+    if request.param == "gemma-270m":
+        model, tokenizer = request.getfixturevalue("gemma")
+        prefix = (
+            "The lighthouse keeper wrote in his log every evening. He noted the wind, the colour of the "
+            "sea, the ships that passed and the birds that rested on the gallery rail. Over forty years "
+            "the log grew to sixty volumes, and the harbour museum keeps them now in a glass case."
+        )
+        texts = [prefix + " In the first volume", prefix + " The museum's curator said", prefix + " Visitors often ask"]
+    else:
+        model, tokenizer = tiny_models[request.param], make_tiny_tokenizer()
+        prefix = words(random_ids(40, 500))
+        texts = [prefix + " " + words(random_ids(12, 500 + k)) for k in range(1, 4)]
+    disable_chunk_reuse(model)
+    yield model, tokenizer, texts
+    disable_chunk_reuse(model)
