@@ -44,12 +44,12 @@ class FirstTokenTimer:
     """
 
     def __init__(self) -> None:
-        self._start = 0.0
+        self.started_at = 0.0
         self._puts = 0
         self.first_token_at: float | None = None
 
     def start(self) -> FirstTokenTimer:
-        self._start = time.perf_counter()
+        self.started_at = time.perf_counter()
         self._puts = 0
         self.first_token_at = None
         return self
@@ -68,4 +68,4 @@ class FirstTokenTimer:
         """Seconds from ``start()`` to the first generated token."""
         if self.first_token_at is None:
             raise RuntimeError("no token was generated yet")
-        return self.first_token_at - self._start
+        return self.first_token_at - self.started_at
