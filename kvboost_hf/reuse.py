@@ -125,7 +125,11 @@ def _wrap_generate(model: torch.nn.Module, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
         state = getattr(model, _STATE_ATTR, None)
-        cache = _request_cache(model, state, args, kwargs) if state is not None else None
+        inputs = _generate_inputs(args, kwargs)
+        if inputs is not None and inputs.dim() == 2 and inputs.shape[1] == 0 and kwargs.get("inputs_embeds") is None:
+            # transformers fails deep inside attention with a reshape error; say what is wrong instead.
+            raise ValueError("generate() got an empty prompt (0 tokens): pass at least one token, e.g. the BOS token")
+        cache = _request_cache(model, state, inputs, kwargs) if state is not None else None
         output = original(*args, **kwargs)
         if cache is not None:
             _finish_request(state, cache)
@@ -148,7 +152,7 @@ def _generate_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return inputs if isinstance(inputs, torch.Tensor) else None
 
 
-def _request_cache(model, state: _ReuseState, args: tuple, kwargs: dict) -> ChunkReuseCache | None:
+def _request_cache(model, state: _ReuseState, inputs: torch.Tensor | None, kwargs: dict) -> ChunkReuseCache | None:
     """The ChunkReuseCache this generate call will use (created or reset here), or None to stay out."""
     config = kwargs.get("generation_config") or model.generation_config
     if getattr(config, "is_assistant", False):
@@ -168,7 +172,7 @@ def _request_cache(model, state: _ReuseState, args: tuple, kwargs: dict) -> Chun
         return None  # the caller's own cache: transformers' semantics, untouched
     if cache.store is None:
         cache.store = state.store
-    if cache.num_tokens and _continues(cache, _generate_inputs(args, kwargs)):
+    if cache.num_tokens and _continues(cache, inputs):
         cache.request, cache.stats = None, None  # HF's "continue from a prompt cache" pattern
     elif cache.num_tokens or cache.get_seq_length() or cache.request is not None:
         logger.debug("ChunkReuseCache reused for a new prompt: reset (the store keeps the reusable K/V)")
