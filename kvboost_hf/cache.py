@@ -206,7 +206,7 @@ class ChunkReuseCache(DynamicCache):
         return new
 
     # ------------------------------------------------------------------ storing
-    def commit(self) -> int:
+    def commit(self, pin: bool = False) -> int:
         """Store the K/V of every confirmed token not stored yet; returns the chunks added."""
         request = self.request
         if self.store is None or request is None or request.namespace is None:
@@ -227,4 +227,4 @@ class ChunkReuseCache(DynamicCache):
             values = [v[0, :, start:end, :].clone() for _, v in states]
             return keys, values
 
-        return self.store.insert(request.namespace, ids, chunk_states)
+        return self.store.insert(request.namespace, ids, chunk_states, pin=pin)

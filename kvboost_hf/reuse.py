@@ -27,7 +27,7 @@ import torch
 from .cache import ChunkReuseCache, _Request
 from .store import ChunkStore
 from .store.keys import Key, model_namespace, model_state_token
-from .store.store import ENTRY_OVERHEAD_BYTES
+from .store.codec import ENTRY_OVERHEAD_BYTES
 from .telemetry import ReuseStats
 
 logger = logging.getLogger(__name__)
@@ -68,9 +68,14 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of K/V one token costs in the store for ``model`` (all layers, keys and values)."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(model)
     element = next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * heads * head_dim * element + 8
+
+
+def _head_dim(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def enable_chunk_reuse(model: torch.nn.Module, store: ChunkStore) -> torch.nn.Module:
@@ -82,6 +87,7 @@ def enable_chunk_reuse(model: torch.nn.Module, store: ChunkStore) -> torch.nn.Mo
     if not isinstance(store, ChunkStore):
         raise TypeError(f"store must be a ChunkStore, got {type(store).__name__}")
     target = _target(model)
+    store.check_model(_head_dim(target))
     chunk_bytes = store.chunk_size * kv_bytes_per_token(target) + ENTRY_OVERHEAD_BYTES
     if chunk_bytes > store.max_bytes:
         raise ValueError(
@@ -138,8 +144,8 @@ def _wrap_generate(model: torch.nn.Module, original):
     return generate
 
 
-def _finish_request(state: _ReuseState, cache: ChunkReuseCache) -> None:
-    stored = cache.commit()
+def _finish_request(state: _ReuseState, cache: ChunkReuseCache, pin: bool = False) -> None:
+    stored = cache.commit(pin=pin)
     if cache.stats is not None:
         cache.stats.stored_chunks = stored
         state.last_stats = cache.stats
@@ -253,7 +259,7 @@ def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids
     request.namespace = state.namespace(module)
     if input_ids.shape[0] > 1:
         request.commit_limit = cache.num_tokens + prompt_len
-    reused = 0
+    reused = exact = 0
     logits_to_keep = kwargs.get("logits_to_keep", 0)
     can_skip = isinstance(logits_to_keep, int) and logits_to_keep > 0 and kwargs.get("labels") is None
     if cache.num_tokens:
@@ -261,36 +267,36 @@ def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids
     elif not can_skip:
         stats.reason = "forward needs logits of every position"
     else:
-        reused = _load_prefix(cache, request.namespace, input_ids, prompt_len - logits_to_keep)
+        reused, exact = _load_prefix(cache, request.namespace, input_ids, prompt_len - logits_to_keep)
         if reused:
             _trim_inputs(kwargs, reused, prompt_len)
     cache.track(input_ids[0, reused:])
-    stats.reused_tokens = stats.exact_tokens = reused
+    stats.reused_tokens, stats.exact_tokens, stats.approximate_tokens = reused, exact, reused - exact
     stats.recomputed_tokens = prompt_len - reused
     stats.lookup_ms = (time.perf_counter() - start_time) * 1000.0
 
 
-def _load_prefix(cache: ChunkReuseCache, namespace: Key, input_ids: torch.Tensor, max_tokens: int) -> int:
-    """Load the longest stored prefix of the prompt into the empty cache; returns its length."""
+def _load_prefix(cache: ChunkReuseCache, namespace: Key, input_ids: torch.Tensor, max_tokens: int) -> tuple[int, int]:
+    """Load the longest stored prefix of the prompt into the empty cache; returns (reused, exact) token counts."""
     row = input_ids[0]
     hits = cache.store.lookup(namespace, row.tolist(), max_tokens=max_tokens)
     reused = sum(hit.num_tokens for hit in hits)
     if not reused:
-        return 0
+        return 0, 0
     batch, device = input_ids.shape[0], input_ids.device
 
-    def segment(tensor: torch.Tensor, n: int) -> torch.Tensor:
-        t = tensor[:, :n, :].unsqueeze(0)
+    def segment(tensor: torch.Tensor) -> torch.Tensor:
+        t = tensor.unsqueeze(0)
         if t.device != device:
             t = t.to(device, non_blocking=True)
         return t.expand(batch, -1, -1, -1) if batch > 1 else t
 
-    per_layer = [
-        [(segment(h.chunk.keys[i], h.num_tokens), segment(h.chunk.values[i], h.num_tokens)) for h in hits]
-        for i in range(len(cache.layers))
-    ]
+    per_layer = []
+    for i in range(len(cache.layers)):
+        states = [h.chunk.layer_states(i, h.num_tokens) for h in hits]
+        per_layer.append([(segment(k), segment(v)) for k, v in states])
     cache.load(per_layer, row[:reused])
-    return reused
+    return reused, sum(h.exact_tokens for h in hits)
 
 
 _SEQUENCE_KWARGS = ("position_ids", "token_type_ids")
@@ -311,11 +317,13 @@ def warm(
     input_ids_or_text: str | Sequence[int] | torch.Tensor,
     store: ChunkStore,
     tokenizer=None,
+    pin: bool = False,
 ) -> ReuseStats:
     """Prefill ``store`` with the K/V of a text or token sequence (one forward, no generation).
 
     Text is tokenized with ``tokenizer`` exactly as a prompt would be (special tokens added),
-    so a warmed system prompt is a prefix of later prompts that start with it.
+    so a warmed system prompt is a prefix of later prompts that start with it. ``pin=True``
+    makes the store evict these chunks last.
     """
     target = _target(model)
     if isinstance(input_ids_or_text, str):
@@ -337,7 +345,7 @@ def warm(
         cache = ChunkReuseCache(target.config, store)
         with torch.no_grad():
             target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        _finish_request(state, cache)
+        _finish_request(state, cache, pin=pin)
     finally:
         if installed_here:
             disable_chunk_reuse(target)

@@ -275,7 +275,7 @@ def test_altered_store_entry_changes_output(tiny):
     store = new_store()
     enable_chunk_reuse(tiny, store)
     tiny.generate(first, **kw)
-    for entry in store._entries.values():
+    for entry in store.entries():
         for tensor in (*entry.keys, *entry.values):
             tensor.mul_(-3.0)
     out = tiny.generate(second, **kw)

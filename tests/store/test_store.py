@@ -134,4 +134,94 @@ def test_concurrent_inserts_and_lookups_keep_accounting_consistent():
     for t in threads:
         t.join()
     assert store.nbytes <= store.max_bytes
-    assert store.nbytes == sum(e.nbytes for e in store._entries.values())
+    assert store.nbytes == sum(e.nbytes for e in store.entries())
+
+
+def chunk_bytes(**settings) -> int:
+    probe = ChunkStore(max_bytes=10**6, chunk_size=4, **settings)
+    put(probe, [1, 2, 3, 4])
+    return probe.nbytes
+
+
+def test_eviction_keeps_the_chunks_that_are_used():
+    store = ChunkStore(max_bytes=chunk_bytes() * 4, chunk_size=4, recency_half_life=10_000)
+    hot = [7, 7, 7, 7]
+    put(store, hot)
+    for _ in range(5):
+        store.lookup(NS, hot)
+    for i in range(10):
+        put(store, [100 + i, 1, 2, 3])  # single-chunk sequences that are never read again
+    assert store.nbytes <= store.max_bytes
+    assert sum(h.num_tokens for h in store.lookup(NS, hot)) == 4
+    assert store.stats()["evictions"] >= 7
+
+
+def test_recency_decays_old_hits():
+    store = ChunkStore(max_bytes=chunk_bytes() * 2, chunk_size=4, recency_half_life=1)
+    old = [7, 7, 7, 7]
+    put(store, old)
+    store.lookup(NS, old)
+    for i in range(12):  # many operations later, one hit long ago is worth less than a fresh chunk
+        put(store, [100 + i, 1, 2, 3])
+    assert store.lookup(NS, old) == []
+
+
+def test_pinned_chunks_are_evicted_last_and_reported():
+    store = ChunkStore(max_bytes=chunk_bytes() * 3, chunk_size=4)
+    pinned = [9, 9, 9, 9, 8, 8, 8, 8]
+    store.insert(NS, pinned, fake_states(pinned), pin=True)
+    for i in range(6):
+        put(store, [100 + i, 1, 2, 3])
+    assert sum(h.num_tokens for h in store.lookup(NS, pinned)) == 8
+    stats = store.stats()
+    assert stats["pinned_entries"] == 2 and stats["pinned_evictions"] == 0
+    for i in range(3):  # pinned sequences alone overflowing the budget still evict, and say so
+        more = [50 + i] * 4
+        store.insert(NS, more, fake_states(more), pin=True)
+    assert store.nbytes <= store.max_bytes
+    assert store.stats()["pinned_evictions"] > 0
+
+
+def test_eviction_cuts_chains_from_their_tail():
+    store = ChunkStore(max_bytes=chunk_bytes() * 4, chunk_size=4)
+    chain = list(range(16))  # 4 chunks fill the store
+    put(store, chain)
+    put(store, [99, 98, 97, 96])  # one must go: the tail of the chain, never its root
+    assert store.stats()["evictions"] == 1
+    assert sum(h.num_tokens for h in store.lookup(NS, chain)) == 12
+
+
+def test_quantized_store_marks_hits_approximate_except_sinks():
+    store = ChunkStore(max_bytes=10**6, chunk_size=4, kv_bits=8, group_size=4, sink_tokens=2)
+    tokens = list(range(10, 22))
+    put(store, tokens)
+    hits = store.lookup(NS, tokens)
+    assert [h.exact_tokens for h in hits] == [2, 0, 0]
+    k, _ = hits[1].chunk.layer_states(0, 4)
+    assert torch.allclose(k[0, :, 0], torch.tensor([14.0, 15, 16, 17]), atol=0.05)
+    assert store.stats()["kv_bits"] == 8
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(kv_bits=3), "kv_bits"),
+        (dict(kv_bits=16), "kv_bits"),
+        (dict(max_bytes=-5), "max_bytes"),
+        (dict(group_size=0), "group_size"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(max_disk_bytes=-1, disk_path="/tmp/x"), "max_disk_bytes"),
+        (dict(max_disk_bytes=100), "needs disk_path"),
+        (dict(disk_path="/proc/kvboost-not-writable"), "not a writable directory"),
+    ],
+)
+def test_bad_store_settings_get_clear_errors(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ChunkStore(**settings)
+
+
+def test_group_size_must_divide_head_dim():
+    store = ChunkStore(kv_bits=4, group_size=24)
+    with pytest.raises(ValueError, match="does not divide the model's head_dim=64"):
+        store.check_model(64)
+    ChunkStore(kv_bits=4, group_size=32).check_model(64)
