@@ -339,3 +339,47 @@ def test_enable_is_idempotent_and_disable_restores(tiny):
     first, _ = prompts(19)
     tiny.generate(first, **GREEDY)
     assert len(store) == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_reuse_is_reported_approximate_and_stays_close(tiny, bits):
+    first, second = prompts(20)
+    kw = dict(max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = plain(tiny, second, **kw)
+    store = ChunkStore(max_bytes=50_000_000, chunk_size=CHUNK, kv_bits=bits, group_size=8, sink_tokens=4)
+    enable_chunk_reuse(tiny, store)
+    tiny.generate(first, **kw)
+    out = tiny.generate(second, **kw)
+    stats = last_request_stats(tiny)
+    assert (stats.reused_tokens, stats.exact_tokens, stats.approximate_tokens) == (45, 4, 41)
+    diff = (out.logits[0] - ref.logits[0]).abs().max().item()
+    assert 0 < diff < (0.05 if bits == 8 else 0.5), diff
+
+
+def test_threads_sharing_one_store_match_sequential_runs(tiny):
+    import threading
+
+    base = random_ids(40, 300)
+    requests = [torch.cat([base[:, : 20 + 2 * i], random_ids(6, 310 + i)], dim=1) for i in range(8)]
+    refs = [plain(tiny, ids, **GREEDY) for ids in requests]
+    store = new_store()
+    enable_chunk_reuse(tiny, store)
+    results, errors = {}, []
+
+    def worker(indices):
+        try:
+            for i in indices:
+                results[i] = tiny.generate(requests[i], **GREEDY)
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=([i, i + 4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(torch.equal(results[i], refs[i]) for i in range(8))
+    stats = store.stats()
+    assert stats["hits"] + stats["misses"] == len(requests)
+    assert stats["bytes"] == sum(e.nbytes for e in store.entries()) <= store.max_bytes
