@@ -227,6 +227,14 @@ def test_deepcopied_prompt_cache_pattern(tiny):
     assert prompt_cache.get_seq_length() == 45  # the original is untouched
 
 
+def test_warm_can_pin_a_sequence(tiny):
+    store = new_store()
+    warm(tiny, random_ids(20, 21)[0], store, pin=True)
+    warm(tiny, random_ids(20, 22)[0], store)
+    assert store.stats()["pinned_entries"] == 3  # 8 + 8 + 4 tokens
+    assert sum(e.pinned for e in store.entries()) == 3
+
+
 def test_warm_then_generate_reuses(tiny):
     first, second = prompts(13)
     ref = plain(tiny, second, **GREEDY)
