@@ -143,6 +143,7 @@ class ChunkReuseCache(DynamicCache):
         self._token_chunks: list[torch.Tensor] = []
         self._num_tokens = 0
         self.trackable = True
+        self.segments: list[int] = []  # extra chunk boundaries (token positions) for storing
         self.request: _Request | None = None
         self.stats: ReuseStats | None = None
 
@@ -184,6 +185,20 @@ class ChunkReuseCache(DynamicCache):
             layer.load(segments)
         self.track(token_ids)
 
+    # ------------------------------------------------------------------ scattered forwards
+    def begin_blend(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> None:
+        """Hold every position ``[0, len)`` in order; the next forward computes ``positions`` only."""
+        self.layers = [BlendLayer(layer, k, v, positions) for layer, (k, v) in zip(self.layers, buffers)]
+
+    @property
+    def blending(self) -> bool:
+        return bool(self.layers) and isinstance(self.layers[0], BlendLayer)
+
+    def end_blend(self) -> None:
+        """Back to ordinary layers holding the blended positions in order."""
+        if self.blending:
+            self.layers = [layer.restore() for layer in self.layers]
+
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
         if tokens_to_remove < 0 and self._token_chunks:
@@ -195,7 +210,7 @@ class ChunkReuseCache(DynamicCache):
         """Empty the cache so it can serve a new request (the store is untouched)."""
         super().reset()
         self._token_chunks, self._num_tokens = [], 0
-        self.trackable, self.request, self.stats = True, None, None
+        self.trackable, self.request, self.stats, self.segments = True, None, None, []
 
     def __deepcopy__(self, memo: dict) -> ChunkReuseCache:
         new = self.__class__.__new__(self.__class__)
@@ -206,7 +221,7 @@ class ChunkReuseCache(DynamicCache):
         return new
 
     # ------------------------------------------------------------------ storing
-    def commit(self, pin: bool = False) -> int:
+    def commit(self, pin: bool = False, boundaries: list[int] = ()) -> int:
         """Store the K/V of every confirmed token not stored yet; returns the chunks added."""
         request = self.request
         if self.store is None or request is None or request.namespace is None:
@@ -227,4 +242,37 @@ class ChunkReuseCache(DynamicCache):
             values = [v[0, :, start:end, :].clone() for _, v in states]
             return keys, values
 
-        return self.store.insert(request.namespace, ids, chunk_states, pin=pin)
+        return self.store.insert(request.namespace, ids, chunk_states, pin=pin, boundaries=boundaries)
+
+
+class BlendLayer(DynamicLayer):
+    """Stands in for a layer during a scattered forward: a buffer holding every position in order.
+
+    ``update`` writes the forward's K/V into the buffer at the query positions and returns the
+    whole buffer, so attention sees keys in position order (the mask maps query positions).
+    """
+
+    def __init__(self, original, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        super().__init__()
+        self.original = original
+        self.is_sliding = getattr(original, "is_sliding", False)
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self.positions = positions.to(keys.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys[:, :, self.positions] = key_states
+        self.values[:, :, self.positions] = value_states
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] - self.positions.numel()
+
+    def restore(self):
+        """The original layer holding the buffer's positions in order."""
+        self.original.reset()
+        self.original.load([(self.keys, self.values)])
+        return self.original

@@ -24,10 +24,14 @@ from typing import Any
 
 import torch
 
+from . import attention
 from .cache import ChunkReuseCache, _Request
+from .repair import RepairContext, ReusePlan, in_inner_forward, make_strategy
+from .rope import RopeShifter, UnsupportedRope
+from .segments import segment_starts, separator_ids, turn_start_ids
 from .store import ChunkStore
-from .store.keys import Key, model_namespace, model_state_token
 from .store.codec import ENTRY_OVERHEAD_BYTES
+from .store.keys import Key, model_namespace, model_state_token
 from .telemetry import ReuseStats
 
 logger = logging.getLogger(__name__)
@@ -38,11 +42,21 @@ _STATE_ATTR = "_kvboost_reuse"
 @dataclass
 class _ReuseState:
     store: ChunkStore
-    hook: Any = None
+    hooks: list = field(default_factory=list)
     last_stats: ReuseStats | None = None
+    strategy: Any = None  # None: exact prefix reuse only
+    shifter: RopeShifter | None = None
+    approximate_refusal: str = ""  # why moved chunks are not reused on this model
+    turn_tokens: tuple[int, ...] = ()
+    separator: tuple[int, ...] = ()
+    leading_special: tuple[int, ...] = ()
+    original_attention: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     _namespace_token: tuple | None = None
     _namespace: Key | None = None
+
+    def boundaries(self, token_ids: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
+        return segment_starts(token_ids, self.turn_tokens, self.separator, extra, self.leading_special)
 
     def namespace(self, model: torch.nn.Module) -> Key:
         token = model_state_token(model)
@@ -78,14 +92,32 @@ def _head_dim(model: torch.nn.Module) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def enable_chunk_reuse(model: torch.nn.Module, store: ChunkStore) -> torch.nn.Module:
+def enable_chunk_reuse(
+    model: torch.nn.Module,
+    store: ChunkStore,
+    recompute_strategy: str | None = None,
+    recompute_ratio: float = 0.15,
+    seam_tokens: int = 16,
+    *,
+    check_layer: int = 1,
+    tokenizer=None,
+    separator: str | None = None,
+) -> torch.nn.Module:
     """Make ``model.generate`` reuse K/V across requests through ``store``. Idempotent.
 
-    Calling it again with another store switches the store. Returns ``model``.
-    Raises ``ValueError`` when ``store`` cannot hold a single chunk of this model's K/V.
+    ``recompute_strategy=None`` (default) reuses exact prefixes only: output is token-identical
+    to plain ``generate``. ``"none"``, ``"selective"`` or ``"cacheblend"`` also reuse stored
+    chunks found anywhere in the prompt (moved with :class:`RopeShifter`, repaired by that
+    strategy); those tokens are reported as approximate. ``recompute_ratio`` is cacheblend's
+    share of reused tokens recomputed, ``seam_tokens`` selective's tokens recomputed per seam.
+    ``tokenizer`` lets chunk boundaries follow chat turns, and ``separator`` (a string) too.
+    Calling it again replaces the settings. Returns ``model``.
     """
     if not isinstance(store, ChunkStore):
         raise TypeError(f"store must be a ChunkStore, got {type(store).__name__}")
+    strategy = None if recompute_strategy is None else make_strategy(
+        recompute_strategy, recompute_ratio, seam_tokens, check_layer
+    )
     target = _target(model)
     store.check_model(_head_dim(target))
     chunk_bytes = store.chunk_size * kv_bytes_per_token(target) + ENTRY_OVERHEAD_BYTES
@@ -94,14 +126,38 @@ def enable_chunk_reuse(model: torch.nn.Module, store: ChunkStore) -> torch.nn.Mo
             f"ChunkStore(max_bytes={store.max_bytes}) cannot hold one {store.chunk_size}-token chunk of this "
             f"model's K/V ({chunk_bytes} bytes): raise max_bytes or lower chunk_size"
         )
+    if getattr(strategy, "name", None) == "cacheblend":
+        attn = target.config._attn_implementation
+        if attn not in ("sdpa", attention.ATTENTION_NAME):
+            raise ValueError(
+                f"recompute_strategy='cacheblend' needs SDPA attention (the model uses {attn!r}): load the model "
+                "with attn_implementation='sdpa', or use recompute_strategy='selective'"
+            )
     state = getattr(target, _STATE_ATTR, None)
-    if state is not None:
-        state.store = store
-        return model
-    state = _ReuseState(store=store)
-    state.hook = target.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    target.generate = _wrap_generate(target, target.generate)
-    setattr(target, _STATE_ATTR, state)
+    if state is None:
+        state = _ReuseState(store=store)
+        state.hooks = [
+            target.register_forward_pre_hook(_pre_forward, with_kwargs=True),
+            target.register_forward_hook(_post_forward, with_kwargs=True),
+        ]
+        target.generate = _wrap_generate(target, target.generate)
+        setattr(target, _STATE_ATTR, state)
+    state.store, state.strategy = store, strategy
+    state.turn_tokens = turn_start_ids(tokenizer)
+    state.separator = separator_ids(tokenizer, separator)
+    bos = getattr(target.config, "bos_token_id", None)
+    state.leading_special = tuple(b for b in (bos if isinstance(bos, list) else [bos]) if b is not None)
+    state.shifter, state.approximate_refusal = None, ""
+    if strategy is not None:
+        try:
+            state.shifter = RopeShifter.for_model(target)
+        except UnsupportedRope as err:
+            state.approximate_refusal = f"moved chunks are not reused: {err}"
+            logger.warning("%s; recompute_strategy=%r falls back to exact prefix reuse", state.approximate_refusal,
+                           recompute_strategy)
+    if getattr(strategy, "name", None) == "cacheblend" and target.config._attn_implementation == "sdpa":
+        state.original_attention = "sdpa"
+        target.set_attn_implementation(attention.register())
     return model
 
 
@@ -110,8 +166,11 @@ def disable_chunk_reuse(model: torch.nn.Module) -> torch.nn.Module:
     target = _target(model)
     state = getattr(target, _STATE_ATTR, None)
     if state is not None:
-        state.hook.remove()
+        for hook in state.hooks:
+            hook.remove()
         target.__dict__.pop("generate", None)
+        if state.original_attention is not None:
+            target.set_attn_implementation(state.original_attention)
         delattr(target, _STATE_ATTR)
     return model
 
@@ -135,8 +194,16 @@ def _wrap_generate(model: torch.nn.Module, original):
         if inputs is not None and inputs.dim() == 2 and inputs.shape[1] == 0 and kwargs.get("inputs_embeds") is None:
             # transformers fails deep inside attention with a reshape error; say what is wrong instead.
             raise ValueError("generate() got an empty prompt (0 tokens): pass at least one token, e.g. the BOS token")
+        segments = kwargs.pop("segments", None)
         cache = _request_cache(model, state, inputs, kwargs) if state is not None else None
-        output = original(*args, **kwargs)
+        if cache is not None and segments is not None:
+            cache.segments = [int(p) for p in segments]
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            attention.set_scattered_queries(None)
+            if cache is not None:
+                cache.end_blend()
         if cache is not None:
             _finish_request(state, cache)
         return output
@@ -145,7 +212,8 @@ def _wrap_generate(model: torch.nn.Module, original):
 
 
 def _finish_request(state: _ReuseState, cache: ChunkReuseCache, pin: bool = False) -> None:
-    stored = cache.commit(pin=pin)
+    ids = cache.token_ids() if cache.trackable else []
+    stored = cache.commit(pin=pin, boundaries=state.boundaries(ids, cache.segments))
     if cache.stats is not None:
         cache.stats.stored_chunks = stored
         state.last_stats = cache.stats
@@ -199,7 +267,7 @@ def _continues(cache: ChunkReuseCache, inputs: torch.Tensor | None) -> bool:
 # ---------------------------------------------------------------------- forward pre-hook
 def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     cache = kwargs.get("past_key_values")
-    if not isinstance(cache, ChunkReuseCache):
+    if not isinstance(cache, ChunkReuseCache) or in_inner_forward():
         return None
     input_ids = kwargs.get("input_ids")
     if input_ids is None and args and isinstance(args[0], torch.Tensor):
@@ -219,6 +287,14 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     if cache.trackable:
         cache.track(input_ids[0])
     return args, kwargs
+
+
+def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output):
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, ChunkReuseCache) and cache.blending and not in_inner_forward():
+        attention.set_scattered_queries(None)
+        cache.end_blend()
+    return None
 
 
 def _refusal(cache: ChunkReuseCache, kwargs: dict, input_ids: torch.Tensor) -> str:
@@ -254,6 +330,7 @@ def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids
     reason = _refusal(cache, kwargs, input_ids)
     if reason:
         stats.reason = reason
+        stats.layer_tokens = [prompt_len] * len(cache.layers)
         cache.untrack()
         return
     request.namespace = state.namespace(module)
@@ -267,12 +344,51 @@ def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids
     elif not can_skip:
         stats.reason = "forward needs logits of every position"
     else:
-        reused, exact = _load_prefix(cache, request.namespace, input_ids, prompt_len - logits_to_keep)
+        limit = prompt_len - logits_to_keep
+        reused, exact = _load_prefix(cache, request.namespace, input_ids, limit)
+        if state.strategy is not None and state.approximate_refusal:
+            stats.reason = state.approximate_refusal
+        elif state.strategy is not None and exact == reused and reused < limit:
+            hits = cache.store.lookup_content(request.namespace, input_ids[0].tolist(), reused, limit)
+            if hits:
+                _repair(module, state, cache, ReusePlan(input_ids, reused, hits), kwargs, stats, start_time)
+                return
         if reused:
             _trim_inputs(kwargs, reused, prompt_len)
     cache.track(input_ids[0, reused:])
+    num_layers = len(cache.layers)
     stats.reused_tokens, stats.exact_tokens, stats.approximate_tokens = reused, exact, reused - exact
     stats.recomputed_tokens = prompt_len - reused
+    stats.layer_tokens = [prompt_len - reused] * num_layers
+    stats.lookup_ms = (time.perf_counter() - start_time) * 1000.0
+
+
+def _repair(module, state: _ReuseState, cache, plan: ReusePlan, kwargs: dict, stats: ReuseStats, start_time) -> None:
+    """Place the content hits of ``plan`` with the configured strategy and trim the real forward to what is left."""
+    prompt_len, input_ids = plan.prompt_len, plan.input_ids
+    ctx = RepairContext(module, cache, plan, state.shifter)
+    outcome = state.strategy.repair(ctx)
+    positions = outcome.positions
+    if outcome.contiguous:
+        _trim_inputs(kwargs, int(positions[0]) if positions.numel() else prompt_len, prompt_len)
+    else:
+        kwargs["input_ids"] = input_ids[:, positions]
+        kwargs["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+        for name in _SEQUENCE_KWARGS[1:]:
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_len:
+                kwargs[name] = value[..., positions]
+    if not outcome.tracked:
+        cache.track(input_ids[0, prompt_len - positions.numel() :])
+    # Everything from the first moved chunk on attends to approximate K/V: never store it as exact.
+    cache.request.commit_limit = min(cache.request.commit_limit or prompt_len, plan.hits[0].start)
+    approximate = outcome.approximate_tokens
+    stats.exact_tokens = plan.exact_len
+    stats.approximate_tokens = approximate
+    stats.reused_tokens = plan.exact_len + approximate
+    stats.recomputed_tokens = prompt_len - stats.reused_tokens
+    stats.layer_tokens = outcome.layer_tokens
+    stats.strategy = state.strategy.name
     stats.lookup_ms = (time.perf_counter() - start_time) * 1000.0
 
 
@@ -314,22 +430,43 @@ def _trim_inputs(kwargs: dict, reused: int, prompt_len: int) -> None:
 # ---------------------------------------------------------------------- warm
 def warm(
     model: torch.nn.Module,
-    input_ids_or_text: str | Sequence[int] | torch.Tensor,
+    input_ids_or_text: str | Sequence[int] | torch.Tensor | Sequence[str] | None,
     store: ChunkStore,
     tokenizer=None,
     pin: bool = False,
+    *,
+    documents: Sequence[str | Sequence[int]] | None = None,
 ) -> ReuseStats:
     """Prefill ``store`` with the K/V of a text or token sequence (one forward, no generation).
 
     Text is tokenized with ``tokenizer`` exactly as a prompt would be (special tokens added),
-    so a warmed system prompt is a prefix of later prompts that start with it. ``pin=True``
-    makes the store evict these chunks last.
+    so a warmed system prompt is a prefix of later prompts that start with it; its chunks start
+    right after the leading special tokens, so the text is also found by content wherever it
+    later appears (with a ``recompute_strategy``). ``documents=[...]`` (or a list of strings)
+    warms each document as a segment of its own. ``pin=True`` makes the store evict these
+    chunks last. Returns the stats summed over everything warmed.
     """
+    if documents is None and isinstance(input_ids_or_text, (list, tuple)) and input_ids_or_text \
+            and isinstance(input_ids_or_text[0], str):
+        documents = input_ids_or_text
+    if documents is not None:
+        total = ReuseStats()
+        for document in documents:
+            stats = warm(model, document, store, tokenizer=tokenizer, pin=pin)
+            total.prompt_tokens += stats.prompt_tokens
+            total.reused_tokens += stats.reused_tokens
+            total.exact_tokens += stats.exact_tokens
+            total.recomputed_tokens += stats.recomputed_tokens
+            total.stored_chunks += stats.stored_chunks
+            total.lookup_ms += stats.lookup_ms
+        return total
     target = _target(model)
     if isinstance(input_ids_or_text, str):
         if tokenizer is None:
             raise ValueError("warm() got text: pass tokenizer= to tokenize it, or pass token ids")
         ids = tokenizer(input_ids_or_text, return_tensors="pt")["input_ids"]
+    elif input_ids_or_text is None:
+        raise ValueError("warm() needs a text, token ids, or documents=[...]")
     else:
         ids = torch.as_tensor(input_ids_or_text, dtype=torch.long)
     if ids.dim() == 1:

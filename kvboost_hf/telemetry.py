@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -11,8 +11,9 @@ class ReuseStats:
     """What reuse did for one generate call (or one ``warm``).
 
     ``reused_tokens = exact_tokens + approximate_tokens``; ``recomputed_tokens`` prompt tokens
-    went through the model. ``lookup_ms`` is the wall time of lookup and loading, which is
-    included in the request's time to first token.
+    went through every layer of the model. ``layer_tokens[i]`` is how many prompt tokens layer
+    ``i`` processed (CacheBlend runs every token through its first layers). ``lookup_ms`` is the
+    wall time of lookup, loading and repair, all included in the time to first token.
     """
 
     prompt_tokens: int = 0
@@ -22,7 +23,16 @@ class ReuseStats:
     recomputed_tokens: int = 0
     lookup_ms: float = 0.0
     stored_chunks: int = 0
+    strategy: str = "exact"
+    layer_tokens: list[int] = field(default_factory=list)
     reason: str = ""
+
+    @property
+    def compute_fraction(self) -> float:
+        """Token-layer work of this prompt relative to a full prefill (1.0 without reuse)."""
+        if not self.layer_tokens or not self.prompt_tokens:
+            return 1.0 if self.prompt_tokens else 0.0
+        return sum(self.layer_tokens) / (self.prompt_tokens * len(self.layer_tokens))
 
     @property
     def kv_reuse_ratio(self) -> float:
@@ -32,6 +42,7 @@ class ReuseStats:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["kv_reuse_ratio"] = self.kv_reuse_ratio
+        out["compute_fraction"] = self.compute_fraction
         return out
 
 

@@ -69,13 +69,13 @@ class StoredChunk:
         """How many of the first ``n`` tokens load bit for bit."""
         return n if self.is_exact else min(n, self.dense_tokens)
 
-    def layer_states(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense keys and values of the first ``n`` tokens of layer ``layer``."""
+    def layer_states(self, layer: int, n: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense keys and values of tokens ``[offset, offset + n)`` of layer ``layer``."""
         k, v = _dense(self.keys[layer]), _dense(self.values[layer])
         if self.sink_keys:
             k = torch.cat([self.sink_keys[layer], k], dim=1)
             v = torch.cat([self.sink_values[layer], v], dim=1)
-        return k[:, :n, :], v[:, :n, :]
+        return k[:, offset : offset + n, :], v[:, offset : offset + n, :]
 
 
 def encode_chunk(

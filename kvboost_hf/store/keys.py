@@ -113,6 +113,12 @@ def model_state_token(model: torch.nn.Module) -> tuple:
     )
 
 
+def _attention_family(model: torch.nn.Module) -> str | None:
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    # kvboost's registered SDPA (same kernel, position-aware masks) computes the same K/V as SDPA.
+    return "sdpa" if name == "kvboost_sdpa" else name
+
+
 def model_namespace(model: torch.nn.Module, extra: dict[str, Any] | None = None) -> Key:
     """Namespace key for a model: config (incl. RoPE settings), weights, dtype, device type, adapters."""
     first = next(model.parameters(), None)
@@ -122,8 +128,17 @@ def model_namespace(model: torch.nn.Module, extra: dict[str, Any] | None = None)
         "dtype": str(first.dtype) if first is not None else None,
         "device_type": first.device.type if first is not None else None,
         "adapters": active_adapters(model),
-        "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
+        "attn_implementation": _attention_family(model),
     }
     if extra:
         parts["extra"] = extra
     return namespace_key(parts)
+
+
+def segment_spans(num_tokens: int, chunk_size: int, boundaries: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Chunk spans that start a new chunk at every boundary (segment start) and every ``chunk_size`` tokens inside a segment."""
+    starts = sorted({b for b in boundaries if 0 < b < num_tokens} | {0}) if num_tokens else []
+    spans: list[tuple[int, int]] = []
+    for seg_start, seg_end in zip(starts, [*starts[1:], num_tokens]):
+        spans.extend((seg_start + s, seg_start + e) for s, e in chunk_spans(seg_end - seg_start, chunk_size))
+    return spans

@@ -12,7 +12,7 @@ import torch
 
 from .codec import ENTRY_OVERHEAD_BYTES, StoredChunk, encode_chunk, from_tensors, to_tensors
 from .disk import DiskTier
-from .keys import Key, chunk_key, chunk_spans
+from .keys import Key, chunk_key, segment_spans
 from .quant import SUPPORTED_BITS, default_group_size
 
 logger = logging.getLogger(__name__)
@@ -23,17 +23,38 @@ LayerStates = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Per-layer keys and values of one chunk, each ``[num_kv_heads, num_tokens, head_dim]``."""
 
 
+# Content lookups anchor on this many tokens at the start of every stored chunk (and one token
+# later, so a tokenizer that merges a document's first token with the text before it costs
+# only that token).
+ANCHOR_TOKENS = 8
+ANCHOR_OFFSETS = (0, 1)
+
+
 @dataclass(frozen=True)
 class ChunkHit:
-    """``num_tokens`` leading tokens of ``chunk`` reused at prompt position ``start``."""
+    """Tokens ``[offset, offset + num_tokens)`` of ``chunk`` reused at prompt position ``start``.
+
+    ``exact`` hits sit behind exactly the tokens they were computed after (prefix hits);
+    content hits (``exact=False``) were computed elsewhere and must be moved and repaired.
+    """
 
     chunk: StoredChunk
     start: int
     num_tokens: int
+    offset: int = 0
+    exact: bool = True
 
     @property
     def exact_tokens(self) -> int:
-        return self.chunk.exact_tokens(self.num_tokens)
+        return self.chunk.exact_tokens(self.num_tokens) if self.exact else 0
+
+    @property
+    def source_start(self) -> int:
+        """Position at which the reused tokens were computed."""
+        return self.chunk.start + self.offset
+
+    def layer_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chunk.layer_states(layer, self.num_tokens, self.offset)
 
 
 @dataclass
@@ -41,6 +62,7 @@ class _IndexEntry:
     """A known chunk in any tier: enough to walk chains and match tokens without its tensors."""
 
     parent: Key
+    namespace: Key
     token_ids: tuple[int, ...]
 
 
@@ -117,10 +139,15 @@ class ChunkStore:
         self._ram: dict[Key, StoredChunk] = {}
         self._index: dict[Key, _IndexEntry] = {}  # every known chunk, RAM or disk
         self._children: dict[Key, dict[int, set[Key]]] = {}  # parent -> first token -> keys
+        self._anchors: dict[tuple, set[tuple[Key, int]]] = {}  # (namespace, tokens) -> (key, offset)
         self._bytes = 0
         self._clock = 0
         self._counts = dict.fromkeys(
-            ("hits", "misses", "hit_tokens", "lookup_tokens", "inserted", "evictions", "pinned_evictions", "rejected"), 0
+            (
+                "hits", "misses", "hit_tokens", "lookup_tokens", "content_hit_tokens",
+                "inserted", "evictions", "pinned_evictions", "rejected",
+            ),
+            0,
         )
         self._disk: DiskTier | None = None
         self._disk_stamp: float | None = None
@@ -178,30 +205,20 @@ class ChunkStore:
     def lookup(self, namespace: Key, token_ids: Sequence[int], max_tokens: int | None = None) -> list[ChunkHit]:
         """The longest stored prefix of ``token_ids`` (at most ``max_tokens`` tokens), as chunk hits in order."""
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
-        size = self.chunk_size
         hits: list[ChunkHit] = []
         with self._lock:
             self._clock += 1
             if self._disk is not None:
                 self._refresh_disk_index()
-            parent, pos = namespace, 0
+            pos = 0
             chain: set[Key] = set()
-            while pos < limit:
-                want = tuple(token_ids[pos : pos + size])
-                entry = self._fetch(chunk_key(parent, want), namespace, chain) if len(want) == size else None
-                if entry is not None:
-                    used = min(size, limit - pos)
-                else:
-                    entry, used = self._best_partial(parent, want, namespace, chain)
-                    used = min(used, limit - pos)
-                if entry is None or used <= 0:
+            for key, used in self._match_path(namespace, tuple(token_ids[:limit]), 0, [64]):
+                entry = self._fetch(key, namespace, chain)
+                if entry is None:
                     break
                 hits.append(ChunkHit(entry, pos, used))
-                chain.add(entry.key)
+                chain.add(key)
                 pos += used
-                if used < entry.num_tokens or entry.num_tokens < size:
-                    break  # a partial overlap ends the chain
-                parent = entry.key
             for hit in hits:
                 hit.chunk.hits += 1
                 hit.chunk.last_used = self._clock
@@ -209,6 +226,56 @@ class ChunkStore:
             self._counts["hit_tokens"] += pos
             self._counts["hits" if pos else "misses"] += 1
         return hits
+
+    def lookup_content(
+        self, namespace: Key, token_ids: Sequence[int], start: int, stop: int, min_tokens: int = 16
+    ) -> list[ChunkHit]:
+        """Stored chunks whose tokens appear anywhere in ``token_ids[start:stop]``, whatever preceded them.
+
+        Scans left to right: at each position, a chunk continuing the previous hit in its own
+        chain is preferred, else any chunk anchored there; tokens nothing matches are skipped,
+        so a gap never blocks later hits. A hit of fewer than ``min_tokens`` tokens only counts
+        when it continues the previous hit. Returned hits have ``exact=False``.
+        """
+        ids = tuple(token_ids[:stop])
+        hits: list[ChunkHit] = []
+        with self._lock:
+            self._clock += 1
+            if self._disk is not None:
+                self._refresh_disk_index()
+            pos, previous = start, None
+            while pos < stop:
+                found = self._continuation(previous, ids, pos) if previous is not None else None
+                if found is None and pos + ANCHOR_TOKENS <= stop:
+                    found = self._anchored(namespace, ids, pos, min_tokens)
+                entry = self._fetch(found[0], namespace, {h.chunk.key for h in hits}) if found else None
+                if entry is None:
+                    pos, previous = pos + 1, None
+                    continue
+                key, offset, n = found
+                hits.append(ChunkHit(entry, pos, n, offset=offset, exact=False))
+                entry.hits += 1
+                entry.last_used = self._clock
+                pos += n
+                previous = key if offset + n == entry.num_tokens else None
+            self._counts["content_hit_tokens"] += sum(h.num_tokens for h in hits)
+        return hits
+
+    def _continuation(self, previous: Key, ids: tuple[int, ...], pos: int):
+        best = None
+        for key in self._children.get(previous, {}).get(ids[pos], ()):
+            n = _common_prefix_length(self._index[key].token_ids, ids[pos:])
+            if best is None or n > best[2]:
+                best = (key, 0, n)
+        return best
+
+    def _anchored(self, namespace: Key, ids: tuple[int, ...], pos: int, min_tokens: int):
+        best = None
+        for key, offset in self._anchors.get((namespace, ids[pos : pos + ANCHOR_TOKENS]), ()):
+            n = _common_prefix_length(self._index[key].token_ids[offset:], ids[pos:])
+            if n >= min(min_tokens, len(self._index[key].token_ids) - offset) and (best is None or n > best[2]):
+                best = (key, offset, n)
+        return best
 
     def _fetch(self, key: Key, namespace: Key, protected: set[Key]) -> StoredChunk | None:
         entry = self._ram.get(key)
@@ -218,7 +285,7 @@ class ChunkStore:
             if not self._disk.has(key):  # another process may have written it since our last scan
                 return None
             for record in self._disk.records({key}):
-                self._index_entry(record.key, record.parent, record.token_ids)
+                self._index_entry(record.key, record.parent, record.namespace, record.token_ids)
         loaded = self._disk.read(key, namespace)
         if loaded is None:
             if not self._disk.has(key):
@@ -229,18 +296,45 @@ class ChunkStore:
             self._add_ram(entry)
         return entry
 
-    def _best_partial(self, parent: Key, want: tuple[int, ...], namespace: Key, protected: set[Key]):
-        if not want:
-            return None, 0
-        candidates = []
-        for key in self._children.get(parent, {}).get(want[0], ()):
-            n = _common_prefix_length(self._index[key].token_ids, want)
-            candidates.append((n, key))
-        for n, key in sorted(candidates, reverse=True):
-            entry = self._fetch(key, namespace, protected)
-            if entry is not None:
-                return entry, n
-        return None, 0
+    def _match_path(self, parent: Key, ids: tuple[int, ...], pos: int, budget: list[int]) -> list[tuple[Key, int]]:
+        """The chain of known chunks after ``parent`` covering the most of ``ids[pos:]``.
+
+        Chunkings differ between sequences (segment boundaries), so where several stored
+        chunks match a position, each complete match is followed and the longest total wins
+        (at most ``budget[0]`` branch explorations per lookup).
+        """
+        path: list[tuple[Key, int]] = []
+        size, limit = self.chunk_size, len(ids)
+        while pos < limit:
+            key = chunk_key(parent, ids[pos : pos + size]) if pos + size <= limit else None
+            if key is not None and key in self._index:
+                path.append((key, size))
+                parent, pos = key, pos + size
+                continue
+            candidates = []
+            for child in self._children.get(parent, {}).get(ids[pos], ()):
+                tokens = self._index[child].token_ids
+                n = _common_prefix_length(tokens, ids[pos:])
+                candidates.append((n == len(tokens) and pos + n < limit, n, child))
+            if not candidates:
+                break
+            candidates.sort(key=lambda c: c[1], reverse=True)
+            if len(candidates) == 1 or budget[0] <= 0:
+                follow, n, child = candidates[0]
+                path.append((child, n))
+                if not follow:
+                    break
+                parent, pos = child, pos + n
+                continue
+            best: list[tuple[Key, int]] = []
+            for follow, n, child in candidates:
+                budget[0] -= 1
+                option = [(child, n)] + (self._match_path(child, ids, pos + n, budget) if follow else [])
+                if sum(u for _, u in option) > sum(u for _, u in best):
+                    best = option
+            path.extend(best)
+            break
+        return path
 
     # ------------------------------------------------------------------ updates
     def insert(
@@ -249,8 +343,12 @@ class ChunkStore:
         token_ids: Sequence[int],
         states: Callable[[int, int], LayerStates],
         pin: bool = False,
+        boundaries: Sequence[int] = (),
     ) -> int:
         """Store every chunk of ``token_ids`` that is not stored yet; returns how many were added.
+
+        Chunks start at every position in ``boundaries`` (segment starts: documents, chat
+        turns) and every ``chunk_size`` tokens inside a segment.
 
         ``states(start, end)`` returns the per-layer dense K/V of tokens ``[start, end)``; it is
         only called for missing chunks, and the store keeps (and owns) what it returns.
@@ -262,13 +360,13 @@ class ChunkStore:
             self._clock += 1
             parent = namespace
             chain: set[Key] = set()
-            for start, end in chunk_spans(len(token_ids), self.chunk_size):
+            for start, end in segment_spans(len(token_ids), self.chunk_size, boundaries):
                 toks = token_ids[start:end]
                 key = chunk_key(parent, toks)
                 entry = self._ram.get(key)
                 if entry is None and key not in self._index:
-                    if len(toks) < self.chunk_size and self._has_longer_sibling(parent, toks):
-                        break  # a stored chunk already covers this partial one
+                    if end == len(token_ids) and self._has_longer_sibling(parent, toks):
+                        break  # a stored chunk already covers this final partial one
                     keys, values = states(start, end)
                     group = self.group_size or default_group_size(keys[0].shape[-1])
                     fields = encode_chunk(keys, values, self.kv_bits, group, self.sink_tokens - start)
@@ -295,7 +393,8 @@ class ChunkStore:
         # A new chunk supersedes any stored partial sibling that is a prefix of it.
         for key in list(self._children.get(entry.parent, {}).get(entry.token_ids[0], ())):
             other = self._index[key].token_ids
-            if len(other) < entry.num_tokens and entry.token_ids[: len(other)] == other:
+            is_leaf = not self._children.get(key)
+            if is_leaf and len(other) < entry.num_tokens and entry.token_ids[: len(other)] == other:
                 self._forget(key)
         self._add_ram(entry)
         self._counts["inserted"] += 1
@@ -305,14 +404,22 @@ class ChunkStore:
                 logger.warning("chunk of %d bytes does not fit in max_disk_bytes; kept in RAM only", entry.nbytes)
 
     def _add_ram(self, entry: StoredChunk) -> None:
-        self._index_entry(entry.key, entry.parent, entry.token_ids)
+        self._index_entry(entry.key, entry.parent, entry.namespace, entry.token_ids)
         self._ram[entry.key] = entry
         self._bytes += entry.nbytes
 
-    def _index_entry(self, key: Key, parent: Key, token_ids: tuple[int, ...]) -> None:
+    def _index_entry(self, key: Key, parent: Key, namespace: Key, token_ids: tuple[int, ...]) -> None:
         if key not in self._index:
-            self._index[key] = _IndexEntry(parent, token_ids)
+            self._index[key] = _IndexEntry(parent, namespace, token_ids)
             self._children.setdefault(parent, {}).setdefault(token_ids[0], set()).add(key)
+            for anchor in self._anchor_keys(namespace, token_ids):
+                self._anchors.setdefault(anchor[0], set()).add((key, anchor[1]))
+
+    @staticmethod
+    def _anchor_keys(namespace: Key, token_ids: tuple[int, ...]):
+        for offset in ANCHOR_OFFSETS:
+            if len(token_ids) >= offset + ANCHOR_TOKENS:
+                yield (namespace, token_ids[offset : offset + ANCHOR_TOKENS]), offset
 
     def _value(self, entry: StoredChunk) -> float:
         """What keeping ``entry`` is worth per byte: hits x recompute cost, decayed by idle time."""
@@ -368,6 +475,12 @@ class ChunkStore:
         if self._disk is not None:
             self._disk.remove(key)
         if index is not None:
+            for anchor, offset in self._anchor_keys(index.namespace, index.token_ids):
+                group = self._anchors.get(anchor)
+                if group is not None:
+                    group.discard((key, offset))
+                    if not group:
+                        del self._anchors[anchor]
             by_first = self._children.get(index.parent, {})
             group = by_first.get(index.token_ids[0])
             if group is not None:
@@ -390,7 +503,7 @@ class ChunkStore:
         for key in [k for k in self._index if k not in present and k not in self._ram]:
             self._forget(key)
         for record in self._disk.records({k for k in present if k not in self._index}):
-            self._index_entry(record.key, record.parent, record.token_ids)
+            self._index_entry(record.key, record.parent, record.namespace, record.token_ids)
 
     def clear(self) -> None:
         """Drop every RAM entry (the disk tier and counters are kept)."""

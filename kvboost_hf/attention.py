@@ -1,0 +1,62 @@
+"""SDPA with position-aware masks, for forwards whose queries are scattered positions.
+
+CacheBlend-style repair runs a forward over a *subset* of prompt positions against a cache
+that holds every position in order. transformers builds masks from index ranges, so it is told
+the real query positions here: ``kvboost_sdpa`` is the stock SDPA kernel registered under its
+own name (``AttentionInterface``) together with a mask function (``AttentionMaskInterface``;
+registering only the attention function leaves the mask ``None`` and SDPA silently truncates
+keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "kvboost_sdpa"
+
+
+@dataclass
+class ScatteredQueries:
+    """Positions of the queries of the current forward, and the (positional) key length."""
+
+    positions: torch.Tensor
+    kv_length: int
+
+
+_local = threading.local()
+
+
+def set_scattered_queries(queries: ScatteredQueries | None) -> None:
+    """Declare (or clear) the scattered query positions of this thread's next forward."""
+    _local.queries = queries
+
+
+def scattered_queries() -> ScatteredQueries | None:
+    return getattr(_local, "queries", None)
+
+
+def position_aware_sdpa_mask(**kwargs):
+    """``sdpa_mask``, with query indices mapped to their real positions during a scattered forward."""
+    queries = scattered_queries()
+    if queries is not None and kwargs["q_length"] == queries.positions.numel() and kwargs["kv_length"] == queries.kv_length:
+        positions = queries.positions.to(kwargs.get("device") or queries.positions.device)
+        inner = kwargs["mask_function"]
+
+        def remapped(batch_idx, head_idx, q_idx, kv_idx):
+            return inner(batch_idx, head_idx, positions[q_idx], kv_idx)
+
+        kwargs.update(mask_function=remapped, q_offset=0, kv_offset=0, allow_is_causal_skip=False, use_vmap=False)
+    return sdpa_mask(**kwargs)
+
+
+def register() -> str:
+    """Register ``kvboost_sdpa`` (idempotent); returns its name for ``set_attn_implementation``."""
+    AttentionInterface.register(ATTENTION_NAME, sdpa_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, position_aware_sdpa_mask)
+    return ATTENTION_NAME
