@@ -97,6 +97,8 @@ class ChunkStore:
         group_size: channel group for value quantization; must divide the model's head_dim
             (default: the largest of 128/64/32/16/8 that does).
         sink_tokens: the first ``sink_tokens`` tokens of every sequence stay full precision.
+        read_only: serve lookups but store nothing new (e.g. a curated, pre-warmed document set;
+            the flag can be flipped at any time).
         disk_path / max_disk_bytes: a persistent tier; every stored chunk is also written there
             (checksummed safetensors), RAM misses are served from it, and another process
             pointed at the same directory reuses its entries.
@@ -117,6 +119,7 @@ class ChunkStore:
         disk_path: str | os.PathLike | None = None,
         max_disk_bytes: int | None = None,
         recency_half_life: int = 256,
+        read_only: bool = False,
     ) -> None:
         _positive_int("max_bytes", max_bytes)
         _positive_int("chunk_size", chunk_size)
@@ -135,6 +138,7 @@ class ChunkStore:
         self.group_size = group_size
         self.sink_tokens = sink_tokens
         self.recency_half_life = recency_half_life
+        self.read_only = read_only
         self._lock = threading.RLock()
         self._ram: dict[Key, StoredChunk] = {}
         self._index: dict[Key, _IndexEntry] = {}  # every known chunk, RAM or disk
@@ -356,6 +360,8 @@ class ChunkStore:
         """
         added = 0
         token_ids = tuple(token_ids)
+        if self.read_only:
+            return 0
         with self._lock:
             self._clock += 1
             parent = namespace

@@ -225,3 +225,11 @@ def test_group_size_must_divide_head_dim():
     with pytest.raises(ValueError, match="does not divide the model's head_dim=64"):
         store.check_model(64)
     ChunkStore(kv_bits=4, group_size=32).check_model(64)
+
+
+def test_read_only_store_serves_but_stores_nothing():
+    store = ChunkStore(chunk_size=4)
+    put(store, list(range(10, 18)))
+    store.read_only = True
+    assert put(store, list(range(50, 58))) == 0 and len(store) == 2
+    assert sum(h.num_tokens for h in store.lookup(NS, list(range(10, 18)))) == 8
