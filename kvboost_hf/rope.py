@@ -68,6 +68,7 @@ class RopeShifter:
         self.apply = apply
         self.layer_types = layer_types
         self.takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self._delta_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> RopeShifter:
@@ -105,11 +106,25 @@ class RopeShifter:
     def shift(self, keys: torch.Tensor, delta: int | torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Keys computed at positions ``p`` as they would be at ``p + delta``."""
         n = keys.shape[-2]
-        if isinstance(delta, int):
-            if delta == 0:
-                return keys
-            delta = torch.full((n,), delta, dtype=torch.long)
-        return self.rotate(keys, delta, layer_idx, scaled=False)
+        if not isinstance(delta, int):
+            return self.rotate(keys, delta, layer_idx, scaled=False)
+        if delta == 0:
+            return keys
+        # Layers of one type share their rotation: compute each (type, delta, length) once.
+        layer_type = self.layer_types[layer_idx] if self.takes_layer_type and self.layer_types else None
+        key = (layer_type, delta, n, keys.dtype, keys.device)
+        cos_sin = self._delta_cache.get(key)
+        if cos_sin is None:
+            with torch.no_grad():
+                positions = torch.full((n,), delta, dtype=torch.long)
+                cos, sin = self._cos_sin(positions, layer_idx, keys)
+                scale = self._cos_sin(torch.zeros(1, dtype=torch.long), layer_idx, keys)[0][..., :1]
+                cos_sin = ((cos / scale).to(keys.dtype), (sin / scale).to(keys.dtype))
+            if len(self._delta_cache) >= 256:
+                self._delta_cache.clear()
+            self._delta_cache[key] = cos_sin
+        with torch.no_grad():
+            return self.apply(keys, keys, *cos_sin)[1]
 
     def _self_check(self, config) -> None:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
