@@ -1,4 +1,4 @@
-"""``kvboost-hf`` command line: ``demo`` (multi-turn chat with and without reuse) and ``model``."""
+"""``kvboost-hf`` command line: ``demo`` (multi-turn chat with and without reuse), ``model`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -87,8 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default=None, help="HF model id or local path (default: embedded Gemma-3-270M)")
     demo.add_argument("--max-new-tokens", type=int, default=24)
     sub.add_parser("model", help="assemble and convert the embedded default model; print its path")
+    from .server.command import add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server with cross-request reuse"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.command == "serve":
+        from .server.command import ServeError, serve
+
+        logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())
+        try:
+            return serve(args)
+        except ServeError as err:
+            print(f"kvboost-hf serve: error: {err}", file=sys.stderr)
+            return 2
 
     if args.command == "model":
         from .models import default_model_path

@@ -1,0 +1,453 @@
+"""The OpenAI-compatible FastAPI app: ``create_app(model, tokenizer, store, settings)``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
+``GET /v1/models``, ``POST /v1/warm``, ``GET /v1/stats``, ``GET /health``, ``GET /metrics``.
+Every request is checked (parameters, prompt length) before it is queued; generation runs on
+the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from ..reuse import disable_chunk_reuse, enable_chunk_reuse, warm
+from ..store import ChunkStore
+from . import schemas
+from .errors import APIError, install_error_handlers
+from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
+from .metrics import ServerMetrics
+from .scheduler import GenerationQueue, Job, QueueFullError
+from .settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+_POLL_S = 0.25  # how often a waiting non-streaming request checks for a disconnected client
+
+
+def context_length(model) -> int | None:
+    """The model's context (``max_position_embeddings``), or None when the config has none."""
+    config = model.config.get_text_config(decoder=True)
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving ``model`` with cross-request reuse through ``store``.
+
+    Enables chunk reuse on ``model`` now (``settings.reuse=False`` disables it instead); raises
+    ``ValueError`` when the store cannot hold one chunk of the model's K/V. The worker thread
+    starts and stops with the app's lifespan (uvicorn, ``TestClient`` as a context manager).
+    """
+    settings = settings or ServerSettings()
+    if settings.reuse:
+        enable_chunk_reuse(model, store)
+    else:
+        disable_chunk_reuse(model)
+    queue = GenerationQueue(settings.max_queue, workers=settings.workers)
+    metrics = ServerMetrics(store_bytes=lambda: store.nbytes, queue_depth=lambda: queue.depth)
+    service = _Service(model, tokenizer, store, settings, queue, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threads_before = torch.get_num_threads()
+        if settings.torch_threads is not None:
+            torch.set_num_threads(settings.torch_threads)
+        queue.start()
+        logger.info("serving %s (reuse %s, %d workers, %d torch threads)", settings.model_name,
+                    "on" if settings.reuse else "off", settings.workers, torch.get_num_threads())
+        try:
+            yield
+        finally:
+            queue.stop()
+            torch.set_num_threads(threads_before)
+
+    app = FastAPI(title="kvboost-hf", summary="OpenAI-compatible server with cross-request KV reuse", lifespan=lifespan)
+    app.state.queue = queue
+    app.state.metrics = metrics
+    app.state.settings = settings
+    app.state.store = store
+    install_error_handlers(app)
+    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": settings.model_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=schemas.ModelList)
+    async def list_models() -> schemas.ModelList:
+        return schemas.ModelList(data=[service.model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=schemas.ModelCard)
+    async def get_model(model_id: str) -> schemas.ModelCard:
+        service.check_model_name(model_id)
+        return service.model_card()
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        return service.stats()
+
+    @app.post("/v1/warm")
+    async def warm_store(body: schemas.WarmRequest, request: Request) -> dict:
+        return await service.warm(body, request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: schemas.CompletionRequest, request: Request):
+        return await service.completion(body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request):
+        return await service.chat_completion(body, request)
+
+    return app
+
+
+class _AuthAndCount:
+    """ASGI middleware: Bearer auth on ``/v1`` routes (when a key is set) and request counting."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: dict[str, int] = {}
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            error = self._auth_error(scope)
+            if error is not None:
+                await error.response()(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or ("/v1 (unauthorized)" if status.get("code") == 401 else "unmatched")
+            self.metrics.observe_request(label, status.get("code", 500))
+
+    def _auth_error(self, scope) -> APIError | None:
+        if self.api_key is None or not scope["path"].startswith("/v1"):
+            return None
+        headers = dict(scope.get("headers") or [])
+        value = headers.get(b"authorization", b"").decode("latin-1").strip()
+        scheme, _, token = value.partition(" ")
+        if not value:
+            message = "missing API key: send 'Authorization: Bearer <key>'"
+        elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            message = "incorrect API key provided"
+        else:
+            return None
+        return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class _Service:
+    """The request handling behind the routes (validation, queueing, waiting, response shapes)."""
+
+    def __init__(self, model, tokenizer, store, settings: ServerSettings, queue: GenerationQueue,
+                 metrics: ServerMetrics) -> None:
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.settings, self.queue, self.metrics = settings, queue, metrics
+        self.context = context_length(model)
+        self.eos_ids = stop_token_ids(model, tokenizer)
+        self.created = int(time.time())
+        limits = [v for v in (self.context, settings.max_prompt_tokens) if v is not None]
+        self.prompt_limit = min(limits) if limits else None
+
+    # ------------------------------------------------------------------ small pieces
+    def model_card(self) -> schemas.ModelCard:
+        return schemas.ModelCard(id=self.settings.model_name, created=self.created, max_model_len=self.context)
+
+    def check_model_name(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise APIError(404, f"model '{name}' is not served here; this server serves '{self.settings.model_name}'",
+                           param="model", code="model_not_found")
+
+    def stats(self) -> dict:
+        return {
+            "model": self.settings.model_name,
+            "reuse_enabled": self.settings.reuse,
+            "store": self.store.stats(),
+            "queue": {"waiting": self.queue.waiting, "running": self.queue.running, "depth": self.queue.depth,
+                      "max_queue": self.queue.max_queue, "workers": self.queue.workers},
+            **self.metrics.snapshot(),
+        }
+
+    def check_prompt_length(self, n: int) -> None:
+        """413 when ``n`` prompt tokens exceed the model's context or ``--max-prompt-tokens``."""
+        if self.prompt_limit is not None and n > self.prompt_limit:
+            which = (
+                "--max-prompt-tokens"
+                if self.settings.max_prompt_tokens == self.prompt_limit
+                else "the model's context (max_position_embeddings)"
+            )
+            raise APIError(
+                413,
+                f"the prompt has {n} tokens, more than the limit of {self.prompt_limit} tokens ({which})",
+                param="messages/prompt", code="context_length_exceeded",
+            )
+
+    def sampling(self, body: schemas._SamplingRequest, prompt_tokens: int, default_max: int) -> SamplingParams:
+        room = None if self.context is None else self.context - prompt_tokens
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max if room is None else max(1, min(default_max, room))
+        elif room is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"this model's context is {self.context} tokens; the prompt has {prompt_tokens} and max_tokens asks "
+                f"for {max_tokens} more: lower max_tokens to at most {max(room, 0)}",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=body.stop,
+                              seed=body.seed, ignore_eos=body.ignore_eos)
+
+    def retry_after(self) -> str:
+        mean = self.metrics.snapshot()["latency"]["mean_s"] or 1.0
+        return str(max(1, min(600, math.ceil(mean * (self.queue.waiting + 1)))))
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.queue.submit(job)
+        except QueueFullError as err:
+            self.metrics.observe_outcome("rejected")
+            raise APIError(503, f"server busy: {err}; retry later", code="queue_full",
+                           headers={"Retry-After": self.retry_after()}) from None
+
+    def timeout_error(self) -> APIError:
+        self.metrics.observe_outcome("timed_out")
+        return APIError(504, f"request timed out after {self.settings.request_timeout:g} s (queueing included)",
+                        code="timeout")
+
+    async def next_event(self, job: Job, deadline: float, request: Request | None) -> tuple[str, Any]:
+        """The job's next event; raises TimeoutError past ``deadline``; ("disconnected", None) when the client left."""
+        while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise TimeoutError
+            wait = remaining if request is None else min(remaining, _POLL_S)
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=wait)
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+                if request is not None and await request.is_disconnected():
+                    return "disconnected", None
+
+    # ------------------------------------------------------------------ prompts
+    async def completion_prompt(self, body: schemas.CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return (await run_in_threadpool(self.tokenizer, body.prompt))["input_ids"]
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        bad = [t for t in body.prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt",
+                           code="invalid_value")
+        return list(body.prompt)
+
+    async def chat_prompt(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "the tokenizer has no chat template: use /v1/completions", param="messages")
+        dicts = [m.template_dict() for m in messages]
+        try:
+            encoded = await run_in_threadpool(
+                self.tokenizer.apply_chat_template, dicts, add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=True,
+            )
+        except Exception as err:  # jinja raise_exception: e.g. roles must alternate
+            raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
+        return list(encoded["input_ids"])
+
+    # ------------------------------------------------------------------ endpoints
+    async def completion(self, body: schemas.CompletionRequest, request: Request):
+        self.check_model_name(body.model)
+        prompt_ids = await self.completion_prompt(body)
+        self.check_prompt_length(len(prompt_ids))
+        params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await self.generate(request, "/v1/completions", prompt_ids, params, body, chat=False)
+
+    async def chat_completion(self, body: schemas.ChatCompletionRequest, request: Request):
+        self.check_model_name(body.model)
+        prompt_ids = await self.chat_prompt(body.messages)
+        self.check_prompt_length(len(prompt_ids))
+        params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens)
+        return await self.generate(request, "/v1/chat/completions", prompt_ids, params, body, chat=True)
+
+    async def warm(self, body: schemas.WarmRequest, request: Request) -> dict:
+        if not self.settings.reuse:
+            raise APIError(400, "reuse is off on this server: warming would have no effect", code="reuse_disabled")
+        if body.text is not None:
+            source: Any = body.text
+            n = len((await run_in_threadpool(self.tokenizer, body.text))["input_ids"])
+        else:
+            source = await self.chat_prompt(body.messages, add_generation_prompt=False)
+            n = len(source)
+        self.check_prompt_length(n)
+        arrival = time.perf_counter()
+        job = Job(lambda job: warm(self.model, source, self.store, tokenizer=self.tokenizer, pin=body.pin))
+        self.submit(job)
+        deadline = arrival + self.settings.request_timeout
+        try:
+            while True:
+                kind, value = await self.next_event(job, deadline, None)
+                if kind == "done":
+                    break
+                if kind == "error":
+                    raise APIError(500, f"warming failed: {value}", type="server_error")
+        except TimeoutError:
+            job.cancel()
+            raise self.timeout_error() from None
+        return {"object": "warm", "prompt_tokens": value.prompt_tokens, "reused_tokens": value.reused_tokens,
+                "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
+
+    async def generate(self, request: Request, route: str, prompt_ids: list[int], params: SamplingParams,
+                       body: schemas._SamplingRequest, chat: bool):
+        arrival = time.perf_counter()
+        deadline = arrival + self.settings.request_timeout
+        stream = bool(body.stream)
+
+        def work(job: Job) -> Reply:
+            return generate_reply(
+                self.model, self.tokenizer, prompt_ids, params, self.eos_ids,
+                store=self.store if self.settings.reuse else None, cancelled=job.cancelled.is_set,
+                on_delta=(lambda piece: job.emit("delta", piece)) if stream else None,
+            )
+
+        job = Job(work)
+        self.submit(job)
+        response_id = schemas.new_id("chatcmpl" if chat else "cmpl")
+        try:
+            if stream:
+                # Wait for the worker to pick the job up, so queue timeouts still get a proper 504.
+                kind, value = await self.next_event(job, deadline, request)
+                if kind != "started":
+                    return self._early_end(job, kind, value)
+                return StreamingResponse(
+                    self._sse(job, route, arrival, deadline, response_id, chat, body),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            while True:
+                kind, value = await self.next_event(job, deadline, request)
+                if kind == "done":
+                    break
+                if kind != "started":
+                    return self._early_end(job, kind, value)
+        except TimeoutError:
+            job.cancel()
+            raise self.timeout_error() from None
+        reply: Reply = value
+        self._record(route, arrival, reply)
+        usage = schemas.Usage.of(reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens)
+        if chat:
+            return schemas.ChatCompletion(
+                id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
+                choices=[schemas.ChatChoice(message=schemas.AssistantMessage(content=reply.text),
+                                            finish_reason=reply.finish_reason)],
+            )
+        return schemas.Completion(
+            id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
+            choices=[schemas.CompletionChoice(text=reply.text, finish_reason=reply.finish_reason)],
+        )
+
+    def _early_end(self, job: Job, kind: str, value: Any) -> Response:
+        """A job that ended before producing a reply: failed, skipped, or its client left."""
+        job.cancel()
+        if kind == "error":
+            self.metrics.observe_outcome("failed")
+            raise APIError(500, f"generation failed: {type(value).__name__}: {value}", type="server_error")
+        self.metrics.observe_outcome("cancelled")
+        return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
+                                       "code": "cancelled"}}, status_code=499)
+
+    def _record(self, route: str, arrival: float, reply: Reply) -> None:
+        if reply.finish_reason is None:
+            self.metrics.observe_outcome("cancelled")
+            return
+        self.metrics.observe_outcome("completed")
+        ttft = None if reply.first_token_at is None else reply.first_token_at - arrival
+        self.metrics.observe_generation(route, ttft, time.perf_counter() - arrival, reply.prompt_tokens,
+                                        reply.cached_tokens, reply.completion_tokens)
+
+    async def _sse(self, job: Job, route: str, arrival: float, deadline: float, response_id: str, chat: bool,
+                   body: schemas._SamplingRequest) -> AsyncIterator[str]:
+        model_name, created = self.settings.model_name, schemas.now()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            if chat:
+                delta = schemas.ChatDelta(role="assistant" if role else None, content=text)
+                payload: Any = schemas.ChatCompletionChunk(
+                    id=response_id, created=created, model=model_name,
+                    choices=[schemas.ChatChunkChoice(delta=delta, finish_reason=finish)],
+                )
+            else:
+                payload = schemas.Completion(
+                    id=response_id, created=created, model=model_name,
+                    choices=[schemas.CompletionChoice(text=text or "", finish_reason=finish)],
+                )
+            return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
+
+        finished = False
+        try:
+            if chat:
+                yield chunk("", role=True)
+            while True:
+                try:
+                    kind, value = await self.next_event(job, deadline, None)
+                except TimeoutError:
+                    job.cancel()
+                    error = self.timeout_error()
+                    yield f"data: {_json(error.body())}\n\n"
+                    break
+                if kind == "delta":
+                    yield chunk(value)
+                elif kind == "done":
+                    reply: Reply = value
+                    self._record(route, arrival, reply)
+                    yield chunk(None if chat else "", finish=reply.finish_reason)
+                    if include_usage:
+                        usage = schemas.Usage.of(reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens)
+                        cls = schemas.ChatCompletionChunk if chat else schemas.Completion
+                        last = cls(id=response_id, created=created, model=model_name, choices=[], usage=usage)
+                        yield f"data: {last.model_dump_json()}\n\n"
+                    break
+                elif kind in ("error", "cancelled"):
+                    self.metrics.observe_outcome("failed" if kind == "error" else "cancelled")
+                    message = f"generation failed: {value}" if kind == "error" else "generation cancelled"
+                    yield f"data: {_json({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                    break
+            finished = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream: stop generating for it
+                job.cancel()
+                self.metrics.observe_outcome("cancelled")
+                logger.info("client disconnected mid-stream; generation cancelled")
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, separators=(",", ":"))

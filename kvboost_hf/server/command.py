@@ -1,0 +1,161 @@
+"""``kvboost-hf serve``: flags, model and store set-up, start-up warming, uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .settings import RECOMPUTE_STRATEGIES
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "gemma-3-270m"
+WARM_BLOCK_TOKENS = 512  # tokens forwarded per step when warming a file (one progress-bar step)
+
+
+class ServeError(Exception):
+    """A set-up problem to report on the command line (bad flag value, store refused its settings)."""
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``kvboost-hf serve`` (also ``python -m kvboost_hf.server``)."""
+    parser.add_argument("--model", default=None, help="HF model id or local path (default: embedded Gemma-3-270M)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients send as 'model' (default: --model, or gemma-3-270m)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    store = parser.add_argument_group("chunk store")
+    store.add_argument("--max-cache-bytes", type=int, default=2_000_000_000, help="store budget in bytes (RAM)")
+    store.add_argument("--chunk-size", type=int, default=128, help="tokens per stored chunk")
+    store.add_argument("--kv-bits", choices=["none", "8", "4"], default="none",
+                       help="quantize stored K/V to int8 / int4 (default: keep the model's dtype)")
+    store.add_argument("--disk-path", default=None, help="directory of a persistent disk tier for the store")
+    store.add_argument("--recompute-strategy", choices=list(RECOMPUTE_STRATEGIES), default="none",
+                       help="repair of reused K/V that moved position (only 'none', exact prefix reuse, exists yet)")
+    store.add_argument("--no-reuse", action="store_true", help="serve without cross-request reuse (for comparisons)")
+    store.add_argument("--warm", action="append", default=[], metavar="TEXT",
+                       help="store this text's K/V at start-up (tokenized like a completion prompt); repeatable")
+    store.add_argument("--warm-file", action="append", default=[], metavar="PATH",
+                       help="store a text file's K/V at start-up, with a progress bar; repeatable")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="refuse longer prompts with 413 (default: the model's context)")
+    limits.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait behind the running one; more get 503 (default 64)")
+    limits.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds a request may take, queueing included; then 504 (default 600)")
+    limits.add_argument("--default-max-tokens", type=int, default=256,
+                        help="reply length for chat requests that set no max_tokens (default 256)")
+    limits.add_argument("--workers", type=int, default=None,
+                        help="requests generated at once, one model.generate each (default: CPU cores on CPU, 1 on GPU)")
+    limits.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads (default on CPU: cores // workers, i.e. 1 per worker)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_store(args: argparse.Namespace):
+    """The ChunkStore the flags describe; only flags the user set are passed. Raises ServeError."""
+    from ..store import ChunkStore
+
+    kwargs: dict = {"max_bytes": args.max_cache_bytes, "chunk_size": args.chunk_size}
+    if args.kv_bits != "none":
+        kwargs["kv_bits"] = int(args.kv_bits)
+    if args.disk_path:
+        kwargs["disk_path"] = args.disk_path
+    try:
+        return ChunkStore(**kwargs)
+    except (TypeError, ValueError) as err:
+        flags = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ServeError(f"the chunk store refused its settings ({flags}): {err}") from err
+
+
+def warm_texts(model, tokenizer, store, texts: list[str], files: list[str], limit: int | None) -> int:
+    """Store the K/V of each text and each file; returns the tokens warmed. Raises ServeError."""
+    from tqdm.auto import tqdm
+
+    from ..reuse import warm
+
+    total = 0
+    sources = [(f"--warm #{i + 1}", text) for i, text in enumerate(texts)]
+    for name in files:
+        path = Path(name)
+        try:
+            sources.append((str(path), path.read_text(encoding="utf-8")))
+        except OSError as err:
+            raise ServeError(f"cannot read --warm-file {name}: {err}") from err
+    for name, text in sources:
+        ids = tokenizer(text)["input_ids"]
+        if not text.strip() or not ids:
+            raise ServeError(f"{name} is empty")
+        if limit is not None and len(ids) > limit:
+            raise ServeError(f"{name} has {len(ids)} tokens, more than the prompt limit of {limit}")
+        # Growing prefixes: each step loads what the previous one stored and forwards one block.
+        block = max(WARM_BLOCK_TOKENS // store.chunk_size, 1) * store.chunk_size
+        ends = list(range(block, len(ids), block)) + [len(ids)]
+        for end in tqdm(ends, desc=f"warming {name}", unit="block", disable=len(ends) < 2):
+            warm(model, ids[:end], store)
+        logger.info("warmed %s: %d tokens", name, len(ids))
+        total += len(ids)
+    return total
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def worker_settings(args: argparse.Namespace, device: str) -> dict:
+    """``workers`` and ``torch_threads``: on CPU one worker per core, one torch thread each (measured best)."""
+    cores = available_cores()
+    workers = args.workers or (cores if device == "cpu" else 1)
+    threads = args.torch_threads or (max(1, cores // workers) if device == "cpu" else None)
+    return {"workers": workers, "torch_threads": threads}
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, build the store and app, warm, and run uvicorn until interrupted."""
+    try:
+        import uvicorn
+
+        from .app import context_length, create_app
+        from .settings import ServerSettings
+    except ImportError as err:
+        raise ServeError(f"the server needs its extra: pip install 'kvboost_hf[server]' ({err})") from err
+    from ..models import load_model
+
+    store = build_store(args)
+    model_device = "cpu"  # load_model keeps the model on the CPU
+    if args.no_reuse and (args.warm or args.warm_file):
+        raise ServeError("--warm / --warm-file need reuse; drop --no-reuse")
+    try:
+        settings = ServerSettings(
+            model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+            api_key=args.api_key,
+            reuse=not args.no_reuse,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_queue=args.max_queue,
+            request_timeout=args.request_timeout,
+            default_max_tokens=args.default_max_tokens,
+            recompute_strategy=args.recompute_strategy,
+            **worker_settings(args, model_device),
+        )
+    except ValueError as err:
+        raise ServeError(str(err)) from err
+    logger.info("loading %s", args.model or "the embedded Gemma-3-270M")
+    model, tokenizer = load_model(args.model)
+    try:
+        app = create_app(model, tokenizer, store, settings)
+    except ValueError as err:
+        raise ServeError(str(err)) from err
+    if args.warm or args.warm_file:
+        limits = [v for v in (context_length(model), args.max_prompt_tokens) if v is not None]
+        warm_texts(model, tokenizer, store, args.warm, args.warm_file, min(limits) if limits else None)
+    print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,53 @@
+"""Settings of the OpenAI-compatible server (what ``kvboost-hf serve`` flags set)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Repair strategies for reused K/V that moved position. Only "none" (exact prefix reuse) exists
+# today; add a name here when a strategy lands and the CLI and settings accept it.
+RECOMPUTE_STRATEGIES: tuple[str, ...] = ("none",)
+
+
+@dataclass
+class ServerSettings:
+    """How the app serves one model.
+
+    ``max_prompt_tokens`` (None: the model's context) and the model's
+    ``max_position_embeddings`` bound prompts; ``max_queue`` is the number of requests that
+    may wait behind the running one; ``request_timeout`` (seconds, queueing included) bounds a
+    request; ``default_max_tokens`` caps chat replies that set no ``max_tokens``.
+    ``reuse=False`` serves without ``enable_chunk_reuse`` (for A/B measurements).
+    ``workers`` requests run at once, each in its own ``model.generate`` call; ``torch_threads``
+    (None: leave torch's setting) is applied with ``torch.set_num_threads`` while the app runs
+    (process wide) and restored at shutdown.
+    """
+
+    model_name: str = "kvboost-hf"
+    api_key: str | None = None
+    reuse: bool = True
+    max_prompt_tokens: int | None = None
+    max_queue: int = 64
+    request_timeout: float = 600.0
+    default_max_tokens: int = 256
+    recompute_strategy: str = "none"
+    workers: int = 1
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.recompute_strategy not in RECOMPUTE_STRATEGIES:
+            raise ValueError(
+                f"recompute_strategy must be one of {', '.join(RECOMPUTE_STRATEGIES)}, got {self.recompute_strategy!r}"
+            )
+        for name in ("max_prompt_tokens", "default_max_tokens", "torch_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive int, got {self.workers!r}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ValueError(f"max_queue must be a non-negative int, got {self.max_queue!r}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout!r}")
+        if self.api_key == "":
+            self.api_key = None

@@ -1,0 +1,107 @@
+"""Helpers for the server tests: a real uvicorn server on a free 127.0.0.1 port in a thread,
+tiny random models with a word-level tokenizer and a small chat template."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+from openai import AsyncOpenAI, OpenAI
+
+from kvboost_hf import ChunkStore, disable_chunk_reuse
+from kvboost_hf.server import ServerSettings, create_app
+from tests.conftest import make_tiny, make_tiny_tokenizer
+
+# Roles are vocabulary words, so the word-level tokenizer keeps every template token.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }} "
+    "{% for m in messages %}{{ {'system': 'w3', 'user': 'w4', 'assistant': 'w5'}[m['role']] }} {{ m['content'] }} "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}w5{% endif %}"
+)
+MODEL_NAME = "tiny"
+STARTUP_TIMEOUT_S = 30.0
+
+
+def tiny_tokenizer():
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def words(*numbers: int) -> str:
+    return " ".join(f"w{n}" for n in numbers)
+
+
+def cycle_words(n: int, start: int = 0) -> str:
+    """``n`` vocabulary words (w6..w95 cycling), a deterministic text of ``n`` tokens."""
+    return " ".join(f"w{6 + (start + i) % 90}" for i in range(n))
+
+
+@dataclass
+class RunningServer:
+    app: object
+    base_url: str
+    store: ChunkStore
+    model: object
+    tokenizer: object
+
+    def client(self, api_key: str = "unused", **kw) -> OpenAI:
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
+
+    def async_client(self, api_key: str = "unused") -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    @property
+    def queue(self):
+        return self.app.state.queue
+
+    def wait_until(self, condition, what: str, timeout: float = 30.0) -> None:
+        """Poll ``condition()`` (bounded); fail the test when it never holds."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model, tokenizer, store: ChunkStore | None = None, **settings) -> Iterator[RunningServer]:
+    """Run the app with uvicorn on 127.0.0.1 in a background thread; stop it and disable reuse after."""
+    store = store or ChunkStore(max_bytes=50_000_000, chunk_size=16)
+    settings.setdefault("model_name", MODEL_NAME)
+    app = create_app(model, tokenizer, store, ServerSettings(**settings))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield RunningServer(app, f"http://127.0.0.1:{port}", store, model, tokenizer)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=STARTUP_TIMEOUT_S)
+        disable_chunk_reuse(model)
+
+
+@pytest.fixture(scope="module")
+def tiny_server() -> Iterator[RunningServer]:
+    """A server on a tiny Llama (context 512) shared by a test module."""
+    with serve(make_tiny("llama", seed=3), tiny_tokenizer()) as running:
+        yield running
