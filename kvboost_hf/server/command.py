@@ -73,8 +73,15 @@ def build_store(args: argparse.Namespace):
         raise ServeError(f"the chunk store refused its settings ({flags}): {err}") from err
 
 
-def warm_texts(model, tokenizer, store, texts: list[str], files: list[str], limit: int | None) -> int:
-    """Store the K/V of each text and each file; returns the tokens warmed. Raises ServeError."""
+def warm_texts(
+    model, tokenizer, store, texts: list[str], files: list[str], limit: int | None,
+    block_tokens: int = WARM_BLOCK_TOKENS,
+) -> int:
+    """Store the K/V of each text and each file; returns the tokens warmed. Raises ServeError.
+
+    A long text is forwarded ``block_tokens`` at a time (rounded to whole chunks), each step
+    loading what the previous one stored, with a tqdm progress bar over the blocks.
+    """
     from tqdm.auto import tqdm
 
     from ..reuse import warm
@@ -94,7 +101,7 @@ def warm_texts(model, tokenizer, store, texts: list[str], files: list[str], limi
         if limit is not None and len(ids) > limit:
             raise ServeError(f"{name} has {len(ids)} tokens, more than the prompt limit of {limit}")
         # Growing prefixes: each step loads what the previous one stored and forwards one block.
-        block = max(WARM_BLOCK_TOKENS // store.chunk_size, 1) * store.chunk_size
+        block = max(block_tokens // store.chunk_size, 1) * store.chunk_size
         ends = list(range(block, len(ids), block)) + [len(ids)]
         for end in tqdm(ends, desc=f"warming {name}", unit="block", disable=len(ends) < 2):
             warm(model, ids[:end], store)

@@ -1,0 +1,124 @@
+"""``kvboost-hf serve`` / ``python -m kvboost_hf.server``: flags, store errors, start-up warming,
+and the real command in a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvboost_hf import ChunkStore, enable_chunk_reuse
+from kvboost_hf.cli import main
+from kvboost_hf.server import RECOMPUTE_STRATEGIES
+from kvboost_hf.server.command import (
+    ServeError,
+    add_serve_arguments,
+    available_cores,
+    build_store,
+    warm_texts,
+    worker_settings,
+)
+from tests.conftest import make_tiny
+from tests.server.conftest import MODEL_NAME, cycle_words, free_port, serve, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_store_refusing_its_settings_is_a_clear_cli_error(capsys):
+    assert main(["serve", "--chunk-size", "0"]) == 2  # fails before any model is loaded
+    err = capsys.readouterr().err
+    assert "kvboost-hf serve: error: the chunk store refused its settings" in err and "chunk_size" in err
+
+
+def test_store_gets_kv_bits_and_disk_path_only_when_set(tmp_path):
+    plain = build_store(parse())
+    assert plain.kv_bits is None and plain.stats()["bytes_by_tier"]["disk"] == 0
+    quantized = build_store(parse("--kv-bits", "8", "--disk-path", str(tmp_path / "kv"), "--max-cache-bytes", "5000000",
+                                  "--chunk-size", "32"))
+    assert quantized.kv_bits == 8 and quantized.max_bytes == 5_000_000 and quantized.chunk_size == 32
+    with pytest.raises(ServeError, match="refused"):
+        build_store(parse("--max-cache-bytes", "-1"))
+
+
+def test_flag_choices():
+    assert RECOMPUTE_STRATEGIES == ("none",)
+    assert parse().recompute_strategy == "none"
+    with pytest.raises(SystemExit):
+        parse("--recompute-strategy", "cacheblend")
+    with pytest.raises(SystemExit):
+        parse("--kv-bits", "2")
+    args = parse()
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    cores = available_cores()
+    assert worker_settings(args, "cpu") == {"workers": cores, "torch_threads": 1}
+    assert worker_settings(parse("--workers", "1"), "cpu") == {"workers": 1, "torch_threads": cores}
+    assert worker_settings(args, "cuda") == {"workers": 1, "torch_threads": None}
+
+
+def test_warm_file_in_blocks_then_requests_reuse_it(tmp_path, capsys):
+    model, tokenizer = make_tiny("llama", seed=14), tiny_tokenizer()
+    store = ChunkStore(max_bytes=50_000_000, chunk_size=16)
+    enable_chunk_reuse(model, store)
+    document = tmp_path / "handbook.txt"
+    document.write_text(cycle_words(300, start=2))
+    assert warm_texts(model, tokenizer, store, ["w7 w8 w9"], [str(document)], limit=512, block_tokens=64) == 303
+    assert "warming" in capsys.readouterr().err  # the progress bar over the file's blocks
+    with serve(model, tokenizer, store) as server:
+        out = server.client().completions.create(model=MODEL_NAME, prompt=cycle_words(300, start=2) + " w50 w51",
+                                                 max_tokens=2, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == 300
+    with pytest.raises(ServeError, match="more than the prompt limit"):
+        warm_texts(model, tokenizer, store, [], [str(document)], limit=100)
+    with pytest.raises(ServeError, match="cannot read"):
+        warm_texts(model, tokenizer, store, [], [str(tmp_path / "missing.txt")], limit=100)
+
+
+def test_python_m_server_serves_a_saved_model(tmp_path):
+    """The real command: a saved tiny model, start-up warming, the SDK, then the process is stopped."""
+    model_dir = tmp_path / "tiny-llama"
+    make_tiny("llama", seed=15).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvboost_hf.server", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+         "--port", str(port), "--api-key", "k", "--chunk-size", "16", "--warm", cycle_words(40, start=9),
+         "--log-level", "warning"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=30)
+        out = client.completions.create(model=MODEL_NAME, prompt=cycle_words(40, start=9) + " w60", max_tokens=2,
+                                        temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == 40  # warmed at start-up
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
