@@ -9,10 +9,12 @@ Two parts, both on the embedded Gemma-3-270M (float32, CPU), greedy, one process
   by the clients (HTTP, queueing and tokenization included), and the reused prompt tokens
   the server reported in ``usage.prompt_tokens_details.cached_tokens``.
 - ``schedulers``: the scheduling decision behind the server, without HTTP. The same requests,
-  ``--clients`` in flight at a time, through (a) one worker calling ``model.generate`` per
-  request with kvboost reuse, (b) the same without reuse, (c) transformers' continuous
-  batching (``model.init_continuous_batching``, paged cache) with its own prefix block
-  sharing, (d) continuous batching without block sharing. Rounds are interleaved.
+  ``--clients`` in flight at a time, through (a) one worker per core calling ``model.generate``
+  per request, one torch thread each, with kvboost reuse (what the server does on a CPU),
+  (b) the same without reuse, (c) one worker with all torch threads, with reuse, (d) the same
+  without reuse, (e) transformers' continuous batching (``model.init_continuous_batching``,
+  paged cache) with its own prefix block sharing, (f) continuous batching without block
+  sharing. Rounds are interleaved (the order rotates).
 
 Usage: ``python benchmarks/server_load.py [--part server|schedulers|both]``; results are
 merged into ``docs/benchmarks/server_load.json``.
@@ -96,27 +98,56 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
 
-def run_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, reuse: bool) -> dict:
-    """One worker, ``model.generate`` per request in arrival order (what the server does)."""
+def run_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, reuse: bool, workers: int = 1,
+                 threads: int | None = None) -> dict:
+    """``workers`` threads, each calling ``model.generate`` per request in arrival order (what the server does);
+    with reuse each request gets its own ChunkReuseCache on a shared store."""
+    import queue
+
+    from kvboost_hf import ChunkReuseCache
     from kvboost_hf.telemetry import FirstTokenTimer
 
+    store = ChunkStore(max_bytes=1_000_000_000, chunk_size=128)
     if reuse:
-        enable_chunk_reuse(model, ChunkStore(max_bytes=1_000_000_000, chunk_size=128))
+        enable_chunk_reuse(model, store)
     else:
         disable_chunk_reuse(model)
+    threads_before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     eos = eos_ids(tokenizer)
-    start = time.perf_counter()
-    ttfts, outputs = [], []
-    for ids in prompts:  # all requests arrived at `start`; FIFO; clients keep the worker busy
-        timer = FirstTokenTimer()
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, streamer=timer.start())
-        ttfts.append(timer.first_token_at - start)
-        outputs.append(out[0, len(ids):].tolist())
+    todo: queue.Queue = queue.Queue()
+    for item in enumerate(prompts):
+        todo.put(item)
+    outputs: dict[int, list[int]] = {}
+    ttfts: dict[int, float] = {}
+
+    def worker():
+        while True:
+            try:
+                i, ids = todo.get_nowait()
+            except queue.Empty:
+                return
+            timer = FirstTokenTimer()
+            cache = ChunkReuseCache(model.config, store) if reuse else None
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, streamer=timer.start(),
+                                     past_key_values=cache)
+            ttfts[i] = timer.first_token_at - start
+            outputs[i] = out[0, len(ids):].tolist()
+
+    start = time.perf_counter()  # all requests arrived now; FIFO
+    pool = [threading.Thread(target=worker) for _ in range(workers)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
     wall = time.perf_counter() - start
+    torch.set_num_threads(threads_before)
     disable_chunk_reuse(model)
-    return {"wall_s": wall, "outputs": outputs, "ttft_from_arrival": ttfts}
+    return {"wall_s": wall, "outputs": [outputs[i] for i in range(len(prompts))],
+            "ttft_from_arrival": [ttfts[i] for i in range(len(prompts))]}
 
 
 def run_continuous_batching(model, tokenizer, prompts: list[list[int]], max_tokens: int, in_flight: int,
@@ -174,8 +205,14 @@ def eos_ids(tokenizer) -> list[int]:
 
 
 def schedulers_part(model, tokenizer, args) -> dict:
+    cores = torch.get_num_threads()
     runners = {
-        "generate_with_reuse": lambda p: run_generate(model, tokenizer, p, args.max_tokens, reuse=True),
+        f"generate_reuse_{cores}_workers_1_thread": lambda p: run_generate(
+            model, tokenizer, p, args.max_tokens, reuse=True, workers=cores, threads=1),
+        f"generate_no_reuse_{cores}_workers_1_thread": lambda p: run_generate(
+            model, tokenizer, p, args.max_tokens, reuse=False, workers=cores, threads=1),
+        f"generate_reuse_1_worker_{cores}_threads": lambda p: run_generate(
+            model, tokenizer, p, args.max_tokens, reuse=True),
         "generate_no_reuse": lambda p: run_generate(model, tokenizer, p, args.max_tokens, reuse=False),
         "continuous_batching_block_sharing": lambda p: run_continuous_batching(
             model, tokenizer, p, args.max_tokens, args.clients, block_sharing=True),
@@ -219,15 +256,19 @@ def schedulers_part(model, tokenizer, args) -> dict:
 
 # ----------------------------------------------------------------------------- server part
 def start_server(model, tokenizer, reuse: bool, max_queue: int):
-    """The app on a free 127.0.0.1 port in a background thread; returns (server, thread, base_url)."""
+    """The app on a free 127.0.0.1 port in a background thread, set up as ``kvboost-hf serve`` sets it up
+    on this machine (one worker per core, one torch thread each); returns (server, thread, base_url)."""
     import socket
 
     import uvicorn
 
     from kvboost_hf.server import ServerSettings, create_app
+    from kvboost_hf.server.command import available_cores
 
     store = ChunkStore(max_bytes=1_000_000_000, chunk_size=128)
-    settings = ServerSettings(model_name="gemma-3-270m", reuse=reuse, max_queue=max_queue, request_timeout=600.0)
+    cores = available_cores()
+    settings = ServerSettings(model_name="gemma-3-270m", reuse=reuse, max_queue=max_queue, request_timeout=600.0,
+                              workers=cores, torch_threads=1)
     app = create_app(model, tokenizer, store, settings)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
