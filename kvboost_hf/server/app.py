@@ -195,7 +195,9 @@ class _Service:
         }
 
     def check_prompt_length(self, n: int) -> None:
-        """413 when ``n`` prompt tokens exceed the model's context or ``--max-prompt-tokens``."""
+        """400 for an empty prompt; 413 when ``n`` prompt tokens exceed the model's context or ``--max-prompt-tokens``."""
+        if n == 0:
+            raise APIError(400, "the prompt is empty (0 tokens)", param="messages/prompt", code="empty_prompt")
         if self.prompt_limit is not None and n > self.prompt_limit:
             which = (
                 "--max-prompt-tokens"

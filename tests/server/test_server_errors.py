@@ -95,6 +95,9 @@ def test_sdk_sees_bad_request_and_server_keeps_serving(error_server):
         client.completions.create(model=MODEL_NAME, prompt="w5", max_tokens=600)  # beyond the 512-token context
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL_NAME, prompt=[5, 96], max_tokens=2)  # id outside the vocabulary
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_NAME, prompt="", max_tokens=2)  # the word tokenizer adds no BOS
+    assert err.value.body["code"] == "empty_prompt"
     assert_serves(error_server)
 
 
