@@ -7,7 +7,8 @@ Two parts, both on the embedded Gemma-3-270M (float32, CPU), greedy, one process
   ``--clients`` concurrent streaming chat clients (the official ``openai`` SDK) sending
   ``--requests`` requests in all. Reports throughput and TTFT / latency p50 and p95 as seen
   by the clients (HTTP, queueing and tokenization included), and the reused prompt tokens
-  the server reported in ``usage.prompt_tokens_details.cached_tokens``.
+  the server reported in ``usage.prompt_tokens_details.cached_tokens``. ``--server-rounds``
+  rounds alternate the order; each figure is the median over rounds.
 - ``schedulers``: the scheduling decision behind the server, without HTTP. The same requests,
   ``--clients`` in flight at a time, through (a) one worker per core calling ``model.generate``
   per request, one torch thread each, with kvboost reuse (what the server does on a CPU),
@@ -164,8 +165,10 @@ def run_continuous_batching(model, tokenizer, prompts: list[list[int]], max_toke
     manager.start()
     # A long-running server keeps one manager: its set-up and first step are not timed.
     manager.add_request(prompts[0][:8], request_id="warm-up", max_new_tokens=2)
-    while not (result := manager.get_result(timeout=60)) or not result.is_finished():
-        pass
+    deadline = time.perf_counter() + 300
+    while not ((result := manager.get_result(timeout=5)) and result.is_finished()):
+        if time.perf_counter() > deadline:
+            raise RuntimeError("continuous batching warm-up did not finish")
     start = time.perf_counter()
     outputs: dict[str, list[int]] = {}
     first_token: dict[str, float] = {}
@@ -181,6 +184,8 @@ def run_continuous_batching(model, tokenizer, prompts: list[list[int]], max_toke
                 active += 1
             result = manager.get_result(timeout=1.0)
             if result is None:
+                if time.perf_counter() - start > 1800:
+                    raise RuntimeError("continuous batching run did not finish in 30 minutes")
                 continue
             if result.generated_tokens and result.request_id not in first_token:
                 first_token[result.request_id] = time.perf_counter() - start
@@ -323,35 +328,61 @@ async def drive(base_url: str, prompts: list[str], clients: int, max_tokens: int
     return {"wall_s": wall, "rows": rows}
 
 
-def server_part(model, tokenizer, args) -> dict:
+def server_run(model, tokenizer, args, reuse: bool) -> dict:
+    """One fresh server (fresh store), an untimed warm-up, then the timed requests."""
+    server, thread, base_url = start_server(model, tokenizer, reuse, max_queue=max(64, args.requests))
+    try:
+        warm_up = ["Warm-up. " + q for q in questions(args.clients)]  # untimed; differs right after the system prompt
+        asyncio.run(drive(base_url, warm_up, args.clients, args.max_tokens))
+        run = asyncio.run(drive(base_url, questions(args.requests), args.clients, args.max_tokens))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        disable_chunk_reuse(model)
+    rows = run["rows"]
+    completion = sum(r["completion_tokens"] for r in rows)
+    return {
+        "wall_s": run["wall_s"],
+        "requests_per_s": len(rows) / run["wall_s"],
+        "completion_tokens_per_s": completion / run["wall_s"],
+        "ttft": summary([r["ttft_s"] for r in rows]),
+        "latency": summary([r["latency_s"] for r in rows]),
+        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in rows),
+        "cached_tokens_mean": statistics.fmean(r["cached_tokens"] for r in rows),
+        "completion_tokens": completion,
+        "cpu_pressure": cpu_pressure(),
+        "texts": [r["text"] for r in rows],
+    }
+
+
+def _median_figures(runs: list[dict]) -> dict:
+    """Median over rounds of every figure (nested dicts too); texts of the first round."""
     out = {}
-    prompts = questions(args.requests)
-    for name, reuse in (("reuse", True), ("no_reuse", False)):
-        server, thread, base_url = start_server(model, tokenizer, reuse, max_queue=max(64, args.requests))
-        try:
-            asyncio.run(drive(base_url, questions(args.clients), args.clients, args.max_tokens))  # warm-up, untimed
-            run = asyncio.run(drive(base_url, prompts, args.clients, args.max_tokens))
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
-            disable_chunk_reuse(model)
-        rows = run["rows"]
-        completion = sum(r["completion_tokens"] for r in rows)
-        out[name] = {
-            "wall_s": run["wall_s"],
-            "requests_per_s": len(rows) / run["wall_s"],
-            "completion_tokens_per_s": completion / run["wall_s"],
-            "ttft": summary([r["ttft_s"] for r in rows]),
-            "latency": summary([r["latency_s"] for r in rows]),
-            "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in rows),
-            "cached_tokens_mean": statistics.fmean(r["cached_tokens"] for r in rows),
-            "completion_tokens": completion,
-            "texts": [r["text"] for r in rows],
-        }
-        print(f"{name}: {out[name]['requests_per_s']:.3f} req/s, TTFT p50 {out[name]['ttft']['p50_s']:.2f}s "
-              f"p95 {out[name]['ttft']['p95_s']:.2f}s", flush=True)
-    out["identical_texts"] = out["reuse"]["texts"] == out["no_reuse"]["texts"]
-    return {"clients": args.clients, "requests": args.requests, "max_tokens": args.max_tokens, **out}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = _median_figures([r[key] for r in runs])
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs if r[key] is not None)
+        else:
+            out[key] = value
+    return out
+
+
+def server_part(model, tokenizer, args) -> dict:
+    runs: dict[str, list[dict]] = {"reuse": [], "no_reuse": []}
+    for rnd in range(args.server_rounds):
+        order = [("reuse", True), ("no_reuse", False)]
+        for name, reuse in order[rnd % 2:] + order[: rnd % 2]:
+            run = server_run(model, tokenizer, args, reuse)
+            runs[name].append(run)
+            print(f"round {rnd} {name}: {run['requests_per_s']:.3f} req/s, TTFT p50 {run['ttft']['p50_s']:.2f}s "
+                  f"p95 {run['ttft']['p95_s']:.2f}s (cpu pressure {run['cpu_pressure']})", flush=True)
+    out = {name: {**_median_figures(r), "rounds": [{k: v for k, v in x.items() if k != "texts"} for x in r]}
+           for name, r in runs.items()}
+    texts = [run["texts"] for r in runs.values() for run in r]
+    out["identical_texts"] = all(t == texts[0] for t in texts)
+    return {"clients": args.clients, "requests": args.requests, "max_tokens": args.max_tokens,
+            "rounds": args.server_rounds, **out}
 
 
 def print_server_table(result: dict) -> None:
@@ -381,6 +412,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--scheduler-requests", type=int, default=16, help="requests per round (schedulers part)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (schedulers part)")
+    parser.add_argument("--server-rounds", type=int, default=2, help="interleaved rounds (server part)")
     args = parser.parse_args()
 
     model, tokenizer = load_default_model()

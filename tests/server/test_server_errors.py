@@ -233,3 +233,21 @@ def test_warm_refused_when_reuse_is_off_and_unknown_route_is_404():
                                                        max_tokens=2)
         assert out.usage.prompt_tokens_details.cached_tokens == 0
         assert_serves(server)
+
+
+def test_client_giving_up_on_a_non_streamed_request_cancels_it():
+    model = make_tiny("llama", seed=16)
+    with serve(model, tiny_tokenizer(), workers=1) as server:
+        gate = Gate(model)
+        try:
+            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 50,
+                    "ignore_eos": True}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=0.5)
+            server.wait_until(lambda: server.app.state.metrics.snapshot()["requests"].get("cancelled") == 1,
+                              "the server to notice the client left")
+        finally:
+            gate.remove()
+        server.wait_until(lambda: server.queue.depth == 0, "the cancelled generation to stop")
+        assert gate.forwards < 50
+        assert_serves(server)
