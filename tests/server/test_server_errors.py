@@ -178,7 +178,7 @@ def test_full_queue_is_503_with_retry_after():
 
 def test_request_timeout_is_504_and_the_generation_is_cancelled():
     model = make_tiny("llama", seed=9)
-    with serve(model, tiny_tokenizer(), request_timeout=1.0, workers=1) as server:
+    with serve(model, tiny_tokenizer(), request_timeout=2.0, workers=1) as server:
         gate = Gate(model)
         try:
             body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 50,
