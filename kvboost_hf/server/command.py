@@ -51,7 +51,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--default-max-tokens", type=int, default=256,
                         help="reply length for chat requests that set no max_tokens (default 256)")
     limits.add_argument("--workers", type=int, default=None,
-                        help="requests generated at once, one model.generate each (default: CPU cores on CPU, 1 on GPU)")
+                        help="requests generated at once, one model.generate each (default: the CPU cores)")
     limits.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default on CPU: cores // workers, i.e. 1 per worker)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
