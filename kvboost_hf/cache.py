@@ -40,7 +40,15 @@ def _cat(segments: list[Segment]) -> Segment:
 
 
 class ReuseLayer(DynamicLayer):
-    """Full-attention layer: holds every token, so its own tensors are the full history."""
+    """Full-attention layer: holds every token, so its own tensors are the full history.
+
+    ``append`` queues stored K/V and concatenates them once, when a forward next needs the
+    layer: assembling a prompt from many stored chunks costs one copy, not one per chunk.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pending: list[Segment] = []
 
     def load(self, segments: list[Segment]) -> None:
         """Fill the (empty) layer with the K/V of the first tokens of the sequence."""
@@ -49,7 +57,34 @@ class ReuseLayer(DynamicLayer):
             self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
 
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self.pending.append((keys, values))
+
+    def flush(self) -> None:
+        if self.pending:
+            held = [(self.keys, self.values)] if self.keys is not None and self.keys.dim() == 4 else []
+            self.keys, self.values = _cat(held + self.pending)
+            self.pending = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.flush()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return super().get_seq_length() + sum(k.shape[-2] for k, _ in self.pending)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.flush()
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending = []
+
     def full_states(self) -> Segment:
+        self.flush()
         return self.keys, self.values
 
 
@@ -59,6 +94,7 @@ class ReuseSlidingLayer(DynamicSlidingWindowLayer):
     def __init__(self, sliding_window: int, **kwargs) -> None:
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.history: list[Segment] = []
+        self.pending: list[Segment] = []
         self.capture = True
 
     def load(self, segments: list[Segment]) -> None:
@@ -78,19 +114,38 @@ class ReuseSlidingLayer(DynamicSlidingWindowLayer):
         self.cumulative_length = total
         self.history = list(segments)
 
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Queue stored K/V of the next tokens (see :class:`ReuseLayer`); only the window stays live."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        if self.capture:
+            self.history.append((keys, values))
+        self.pending.append((keys, values))
+        self.cumulative_length += keys.shape[-2]
+
+    def flush(self) -> None:
+        if self.pending:
+            held = [(self.keys, self.values)] if self.keys is not None and self.keys.dim() == 4 else []
+            keys, values = _cat(held + self.pending)
+            if not self.record_past:
+                keys, values = keys[..., -(self.sliding_window - 1) :, :], values[..., -(self.sliding_window - 1) :, :]
+            self.keys, self.values, self.pending = keys, values, []
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.flush()
         if self.capture:
             self.history.append((key_states, value_states))
         return super().update(key_states, value_states, *args, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.flush()
         super().crop(tokens_to_remove)
         if self.capture:
             self.history = _trim(self.history, self.cumulative_length)
 
     def reset(self) -> None:
         super().reset()
-        self.history = []
+        self.history, self.pending = [], []
         self.capture = True
 
     def full_states(self) -> Segment:

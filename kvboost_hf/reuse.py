@@ -18,6 +18,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,9 @@ from .telemetry import ReuseStats
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_kvboost_reuse"
+# Namespace keys per model, kept across enable/disable (hashing weights is not free).
+_namespaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_namespace_lock = threading.Lock()
 
 
 @dataclass
@@ -51,20 +55,19 @@ class _ReuseState:
     separator: tuple[int, ...] = ()
     leading_special: tuple[int, ...] = ()
     original_attention: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    _namespace_token: tuple | None = None
-    _namespace: Key | None = None
 
     def boundaries(self, token_ids: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
         return segment_starts(token_ids, self.turn_tokens, self.separator, extra, self.leading_special)
 
     def namespace(self, model: torch.nn.Module) -> Key:
+        """The model's namespace key, recomputed only when its weights, dtype or adapters change."""
         token = model_state_token(model)
-        with self.lock:
-            if token != self._namespace_token:
-                self._namespace = model_namespace(model)
-                self._namespace_token = token
-            return self._namespace
+        with _namespace_lock:
+            memo = _namespaces.get(model)
+            if memo is None or memo[0] != token:
+                memo = (token, model_namespace(model))
+                _namespaces[model] = memo
+            return memo[1]
 
 
 def _target(model: torch.nn.Module) -> torch.nn.Module:

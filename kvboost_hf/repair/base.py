@@ -109,9 +109,10 @@ class RepairContext:
 
             handle = layers[last + 1].register_forward_pre_hook(stop, with_kwargs=True)
         try:
+            # The decoder alone: these forwards only fill the cache, so no LM head (a 262k-vocab
+            # projection on Gemma) is computed for them.
             with torch.no_grad(), inner_forward():
-                self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                           logits_to_keep=1)
+                decoder(self.model)(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
         except _StopForward:
             pass
         finally:
@@ -138,12 +139,17 @@ class RepairContext:
         if skip >= hit.num_tokens:
             return
         for i, layer in enumerate(self.cache.layers):
-            layer.update(*self.hit_states(hit, i, skip))
+            layer.append(*self.hit_states(hit, i, skip))
         self.cache.track(self.plan.input_ids[0, hit.start + skip : hit.start + hit.num_tokens])
 
 
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a causal LM (without its LM head)."""
+    return getattr(model, "model", None) or getattr(model, "base_model", model)
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    base = getattr(model, "model", None) or getattr(model, "base_model", model)
+    base = decoder(model)
     layers = getattr(base, "layers", None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
@@ -156,9 +162,8 @@ def assemble_in_order(ctx: RepairContext, seam_tokens: int) -> RepairOutcome:
     stored. The real forward then computes the tokens after the last hit."""
     plan, pos, approximate = ctx.plan, ctx.plan.exact_len, 0
     for index, hit in enumerate(plan.hits):
-        ctx.compute(pos, hit.start)
         seam = min(seam_tokens, hit.num_tokens) if plan.starts_run(index) else 0
-        ctx.compute(hit.start, hit.start + seam)
+        ctx.compute(pos, hit.start + seam)  # the gap before the hit and its seam, in one forward
         ctx.load(hit, skip=seam)
         approximate += hit.num_tokens - seam
         pos = hit.start + hit.num_tokens

@@ -54,7 +54,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     """
     settings = settings or ServerSettings()
     if settings.reuse:
-        enable_chunk_reuse(model, store)
+        strategy = None if settings.recompute_strategy == "exact" else settings.recompute_strategy
+        enable_chunk_reuse(model, store, recompute_strategy=strategy, tokenizer=tokenizer)
     else:
         disable_chunk_reuse(model)
     queue = GenerationQueue(settings.max_queue, workers=settings.workers)

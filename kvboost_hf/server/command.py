@@ -34,8 +34,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--kv-bits", choices=["none", "8", "4"], default="none",
                        help="quantize stored K/V to int8 / int4 (default: keep the model's dtype)")
     store.add_argument("--disk-path", default=None, help="directory of a persistent disk tier for the store")
-    store.add_argument("--recompute-strategy", choices=list(RECOMPUTE_STRATEGIES), default="none",
-                       help="repair of reused K/V that moved position (only 'none', exact prefix reuse, exists yet)")
+    store.add_argument("--recompute-strategy", choices=list(RECOMPUTE_STRATEGIES), default="exact",
+                       help="exact: prefix reuse only (default, token-identical); none / selective / cacheblend: also reuse moved chunks, repaired (approximate)")
     store.add_argument("--no-reuse", action="store_true", help="serve without cross-request reuse (for comparisons)")
     store.add_argument("--warm", action="append", default=[], metavar="TEXT",
                        help="store this text's K/V at start-up (tokenized like a completion prompt); repeatable")

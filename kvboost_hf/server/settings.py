@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Repair strategies for reused K/V that moved position. Only "none" (exact prefix reuse) exists
-# today; add a name here when a strategy lands and the CLI and settings accept it.
-RECOMPUTE_STRATEGIES: tuple[str, ...] = ("none",)
+from ..repair import STRATEGIES
+
+# "exact": exact prefix reuse only (token-identical replies); the others also reuse stored
+# chunks found anywhere in the prompt, repaired by that strategy (approximate).
+RECOMPUTE_STRATEGIES: tuple[str, ...] = ("exact", *STRATEGIES)
 
 
 @dataclass
@@ -30,7 +32,7 @@ class ServerSettings:
     max_queue: int = 64
     request_timeout: float = 600.0
     default_max_tokens: int = 256
-    recompute_strategy: str = "none"
+    recompute_strategy: str = "exact"
     workers: int = 1
     torch_threads: int | None = None
 

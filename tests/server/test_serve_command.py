@@ -53,10 +53,11 @@ def test_store_gets_kv_bits_and_disk_path_only_when_set(tmp_path):
 
 
 def test_flag_choices():
-    assert RECOMPUTE_STRATEGIES == ("none",)
-    assert parse().recompute_strategy == "none"
+    assert RECOMPUTE_STRATEGIES == ("exact", "none", "selective", "cacheblend")
+    assert parse().recompute_strategy == "exact"
+    assert parse("--recompute-strategy", "cacheblend").recompute_strategy == "cacheblend"
     with pytest.raises(SystemExit):
-        parse("--recompute-strategy", "cacheblend")
+        parse("--recompute-strategy", "magic")
     with pytest.raises(SystemExit):
         parse("--kv-bits", "2")
     args = parse()
