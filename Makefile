@@ -33,7 +33,7 @@ test: $(MODEL_STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(MODEL_STAMP)
-	$(BIN)/python benchmarks/prefix_reuse.py
+	$(BIN)/python benchmarks/prefix_reuse.py --reps 9
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
