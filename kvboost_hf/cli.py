@@ -38,6 +38,9 @@ def run_demo(model, tokenizer, turns: list[str] = DEMO_TURNS, max_new_tokens: in
         eos.append(end_of_turn)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     messages = [{"role": "system", "content": DEMO_SYSTEM}]
+    with torch.no_grad():  # untimed: the first generate of a process pays one-time costs
+        model.generate(**tokenizer("Hello", return_tensors="pt"), max_new_tokens=2, do_sample=False,
+                       pad_token_id=tokenizer.pad_token_id)
     rows = []
     header = f"{'turn':>4} {'prompt':>7} {'reused':>7} {'TTFT plain':>11} {'TTFT reuse':>11} {'speed-up':>9}  identical"
     print(header, file=out)
