@@ -9,7 +9,7 @@ import torch
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
 from kvboost_hf.store.keys import namespace_key
 from tests.conftest import make_tiny, random_ids
-from tests.store.test_store import NS, fake_states, put
+from tests.store.test_store import NS, put
 
 ROOT = Path(__file__).resolve().parents[2]
 
