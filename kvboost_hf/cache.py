@@ -39,6 +39,20 @@ def _cat(segments: list[Segment]) -> Segment:
     return torch.cat([k for k, _ in segments], dim=-2), torch.cat([v for _, v in segments], dim=-2)
 
 
+def as_batch(states: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """Stored ``[heads, tokens, dim]`` K or V as ``[batch, heads, tokens, dim]`` on ``device`` (a view when possible)."""
+    t = states.unsqueeze(0)
+    if t.device != device:
+        t = t.to(device, non_blocking=True)
+    return t.expand(batch, -1, -1, -1) if batch > 1 else t
+
+
+def _with_pending(layer) -> Segment:
+    """The layer's live K/V followed by its queued appends."""
+    held = [(layer.keys, layer.values)] if layer.keys is not None and layer.keys.dim() == 4 else []
+    return _cat(held + layer.pending)
+
+
 class ReuseLayer(DynamicLayer):
     """Full-attention layer: holds every token, so its own tensors are the full history.
 
@@ -64,8 +78,7 @@ class ReuseLayer(DynamicLayer):
 
     def flush(self) -> None:
         if self.pending:
-            held = [(self.keys, self.values)] if self.keys is not None and self.keys.dim() == 4 else []
-            self.keys, self.values = _cat(held + self.pending)
+            self.keys, self.values = _with_pending(self)
             self.pending = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -125,8 +138,7 @@ class ReuseSlidingLayer(DynamicSlidingWindowLayer):
 
     def flush(self) -> None:
         if self.pending:
-            held = [(self.keys, self.values)] if self.keys is not None and self.keys.dim() == 4 else []
-            keys, values = _cat(held + self.pending)
+            keys, values = _with_pending(self)
             if not self.record_past:
                 keys, values = keys[..., -(self.sliding_window - 1) :, :], values[..., -(self.sliding_window - 1) :, :]
             self.keys, self.values, self.pending = keys, values, []

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import attention
-from .cache import ChunkReuseCache, _Request
+from .cache import ChunkReuseCache, _Request, as_batch
 from .repair import RepairContext, ReusePlan, in_inner_forward, make_strategy
 from .rope import RopeShifter, UnsupportedRope
 from .segments import segment_starts, separator_ids, turn_start_ids
@@ -357,7 +357,7 @@ def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids
                 _repair(module, state, cache, ReusePlan(input_ids, reused, hits), kwargs, stats, start_time)
                 return
         if reused:
-            _trim_inputs(kwargs, reused, prompt_len)
+            _select_inputs(kwargs, slice(reused, None), prompt_len)
     cache.track(input_ids[0, reused:])
     num_layers = len(cache.layers)
     stats.reused_tokens, stats.exact_tokens, stats.approximate_tokens = reused, exact, reused - exact
@@ -373,14 +373,11 @@ def _repair(module, state: _ReuseState, cache, plan: ReusePlan, kwargs: dict, st
     outcome = state.strategy.repair(ctx)
     positions = outcome.positions
     if outcome.contiguous:
-        _trim_inputs(kwargs, int(positions[0]) if positions.numel() else prompt_len, prompt_len)
+        _select_inputs(kwargs, slice(int(positions[0]) if positions.numel() else prompt_len, None), prompt_len)
     else:
-        kwargs["input_ids"] = input_ids[:, positions]
-        kwargs["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
-        for name in _SEQUENCE_KWARGS[1:]:
-            value = kwargs.get(name)
-            if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_len:
-                kwargs[name] = value[..., positions]
+        if kwargs.get("position_ids") is None:  # scattered queries cannot infer positions from the cache
+            kwargs["position_ids"] = torch.arange(prompt_len, device=input_ids.device).expand(input_ids.shape[0], -1)
+        _select_inputs(kwargs, positions, prompt_len)
     if not outcome.tracked:
         cache.track(input_ids[0, prompt_len - positions.numel() :])
     # Everything from the first moved chunk on attends to approximate K/V: never store it as exact.
@@ -403,17 +400,10 @@ def _load_prefix(cache: ChunkReuseCache, namespace: Key, input_ids: torch.Tensor
     if not reused:
         return 0, 0
     batch, device = input_ids.shape[0], input_ids.device
-
-    def segment(tensor: torch.Tensor) -> torch.Tensor:
-        t = tensor.unsqueeze(0)
-        if t.device != device:
-            t = t.to(device, non_blocking=True)
-        return t.expand(batch, -1, -1, -1) if batch > 1 else t
-
     per_layer = []
     for i in range(len(cache.layers)):
         states = [h.chunk.layer_states(i, h.num_tokens) for h in hits]
-        per_layer.append([(segment(k), segment(v)) for k, v in states])
+        per_layer.append([(as_batch(k, batch, device), as_batch(v, batch, device)) for k, v in states])
     cache.load(per_layer, row[:reused])
     return reused, sum(h.exact_tokens for h in hits)
 
@@ -421,13 +411,14 @@ def _load_prefix(cache: ChunkReuseCache, namespace: Key, input_ids: torch.Tensor
 _SEQUENCE_KWARGS = ("position_ids", "token_type_ids")
 
 
-def _trim_inputs(kwargs: dict, reused: int, prompt_len: int) -> None:
-    """Slice the per-token inputs so only tokens after ``reused`` run; the 2D mask stays full."""
-    kwargs["input_ids"] = kwargs["input_ids"][:, reused:]
+def _select_inputs(kwargs: dict, index: slice | torch.Tensor, prompt_len: int) -> None:
+    """Keep only the prompt tokens at ``index`` (a slice, or sorted positions) in the per-token
+    inputs of the real forward; the 2D attention mask stays full length."""
+    kwargs["input_ids"] = kwargs["input_ids"][:, index]
     for name in _SEQUENCE_KWARGS:
         value = kwargs.get(name)
         if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_len:
-            kwargs[name] = value[..., reused:]
+            kwargs[name] = value[..., index]
 
 
 # ---------------------------------------------------------------------- warm

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import ChunkReuseCache
+from ..cache import ChunkReuseCache, as_batch
 from ..rope import RopeShifter
 from ..store import ChunkHit
 
@@ -126,13 +126,10 @@ class RepairContext:
     def hit_states(self, hit: ChunkHit, layer: int, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of ``hit`` for ``layer`` (minus its first ``skip`` tokens), moved to their prompt positions."""
         k, v = hit.layer_states(layer)
-        k, v = k[:, skip:].unsqueeze(0), v[:, skip:].unsqueeze(0)
         device = self.plan.input_ids.device
-        k, v = k.to(device), v.to(device)
+        k, v = as_batch(k[:, skip:], 1, device), as_batch(v[:, skip:], self.batch, device)
         k = self.shifter.shift(k, hit.start - hit.source_start, layer)
-        if self.batch > 1:
-            k, v = k.expand(self.batch, -1, -1, -1), v.expand(self.batch, -1, -1, -1)
-        return k, v
+        return (k.expand(self.batch, -1, -1, -1) if self.batch > 1 else k), v
 
     def load(self, hit: ChunkHit, skip: int = 0) -> None:
         """Append ``hit`` (minus its first ``skip`` tokens) to every layer of the cache, in order."""
