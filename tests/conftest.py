@@ -33,16 +33,17 @@ _COMMON = dict(
 )
 
 
-def make_tiny(family: str, seed: int = 0, num_layers: int = 2) -> torch.nn.Module:
+def make_tiny(family: str, seed: int = 0, num_layers: int = 2, vocab_size: int = VOCAB) -> torch.nn.Module:
     """A small random model of ``family`` (float32, eval mode, deterministic for ``seed``)."""
     torch.manual_seed(seed)
+    common = dict(_COMMON, vocab_size=vocab_size)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=num_layers, **_COMMON))
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=num_layers, **common))
     elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=num_layers, **_COMMON))
+        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=num_layers, **common))
     elif family == "mistral":
         model = MistralForCausalLM(
-            MistralConfig(num_hidden_layers=num_layers, sliding_window=SLIDING_WINDOW, **_COMMON)
+            MistralConfig(num_hidden_layers=num_layers, sliding_window=SLIDING_WINDOW, **common)
         )
     elif family == "gemma3":
         layers = max(num_layers, 3)
@@ -51,7 +52,7 @@ def make_tiny(family: str, seed: int = 0, num_layers: int = 2) -> torch.nn.Modul
             head_dim=16,
             sliding_window=SLIDING_WINDOW,
             layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
-            **_COMMON,
+            **common,
         )
         model = Gemma3ForCausalLM(config)
     else:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
+from tests.conftest import make_tiny
 
 GREEDY = dict(max_new_tokens=8, do_sample=False)
 
@@ -59,20 +59,9 @@ def test_seeded_sampling_and_prompt_lookup(gemma_model):
 
 def test_assistant_model_speculative_decoding(gemma_model):
     model, tokenizer = gemma_model
-    torch.manual_seed(0)
-    assistant = Gemma3ForCausalLM(
-        Gemma3TextConfig(
-            vocab_size=model.config.vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-        )
-    ).eval()
+    # A random tiny Gemma 3 sharing the real model's vocabulary: most candidates are rejected,
+    # which exercises the cache crops.
+    assistant = make_tiny("gemma3", seed=0, num_layers=2, vocab_size=model.config.vocab_size)
     first, second = long_prompts()
     kw = dict(assistant_model=assistant, max_new_tokens=6, do_sample=False)
     ref = model.generate(second, **kw)
