@@ -1,4 +1,4 @@
-"""``kvboost-hf`` command line: ``demo`` (multi-turn chat with and without reuse), ``model`` and ``serve``."""
+"""``kvboost-hf`` command line: ``demo`` (multi-turn chat with and without reuse), ``model``, ``serve`` and ``awq-pack``."""
 
 from __future__ import annotations
 
@@ -93,7 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     from .server.command import add_serve_arguments
 
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server with cross-request reuse"))
+    from .streaming.pack import add_awq_pack_arguments
+
+    add_awq_pack_arguments(sub.add_parser("awq-pack", help="write an AutoAWQ GEMM int4 checkpoint from a float model"))
     args = parser.parse_args(argv)
+    if args.command == "awq-pack":
+        from .streaming.pack import awq_pack_command
+
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        print(awq_pack_command(args))
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     if args.command == "serve":

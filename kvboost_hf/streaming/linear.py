@@ -1,0 +1,65 @@
+"""``AWQInt4Linear``: a linear layer computing with torch's packed int4 weight.
+
+A resident module holds its packed weight as the buffer ``int4_weight``. A streamed module
+holds only ``int4_scales_zeros`` (about 6% of the packed bytes at group size 128); the
+layer streamer points ``staged_weight`` at a staging slot while the module's decoder layer
+runs. Both buffers take part in ``named_buffers``, so content hashes of the model see them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .awq_format import int4_matmul
+
+
+class AWQInt4Linear(nn.Module):
+    """int4 weight (AutoAWQ semantics), bf16 activations, output in the input's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False) -> None:
+        super().__init__()
+        if in_features % group_size:
+            raise ValueError(
+                f"group_size {group_size} does not divide in_features {in_features} of a quantized linear"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.streamed = False
+        self.staged_weight: torch.Tensor | None = None
+        self.register_buffer("int4_weight", None)
+        self.register_buffer("int4_scales_zeros", None)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def set_weight(self, packed: torch.Tensor | None, scales_zeros: torch.Tensor) -> None:
+        """Install converted tensors: ``packed=None`` marks the module as streamed."""
+        self.streamed = packed is None
+        if packed is not None:
+            self.register_buffer("int4_weight", packed)
+        self.register_buffer("int4_scales_zeros", scales_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.staged_weight if self.streamed else self.int4_weight
+        if packed is None:
+            raise RuntimeError(
+                "streamed AWQ weight used outside its decoder layer's forward (no staging slot holds it)"
+            )
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        out = int4_matmul(x2.contiguous(), packed, self.group_size, self.int4_scales_zeros)
+        out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+            f"bias={self.bias is not None}, streamed={self.streamed}"
+        )

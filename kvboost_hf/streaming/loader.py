@@ -1,0 +1,208 @@
+"""Reading an AutoAWQ GEMM checkpoint into ``AWQInt4Linear`` modules and a layer streamer.
+
+Before weights load: every linear with a ``qweight`` in the checkpoint becomes an
+``AWQInt4Linear`` without weight buffers, so transformers' loader reads only the float tensors
+(and biases). After weights load: each quantized linear is converted once to torch's int4
+layout; resident ones keep it as a buffer, streamed ones hand it to the host source.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .awq_format import awq_to_codes, scales_and_zeros, to_int4pack
+from .config import StreamingAWQConfig
+from .linear import AWQInt4Linear
+from .source import HostSource, MmapSource, RamSource, cache_key
+from .stats import StreamingStats
+from .streamer import LayerStreamer
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_ATTR = "_kvboost_streaming"
+UNEXPECTED_PATTERNS = (r"\.qweight$", r"\.qzeros$", r"\.scales$")
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)\.")
+
+
+def checkpoint_index(checkpoint_files: list[str]) -> dict[str, str]:
+    """Tensor name -> file holding it, from the safetensors headers (no data read)."""
+    index: dict[str, str] = {}
+    for path in checkpoint_files or []:
+        if not str(path).endswith(".safetensors"):
+            raise ValueError(f"AWQ layer streaming reads safetensors checkpoints; got {path}")
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                index[key] = path
+    return index
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's decoder layer list (the ModuleList with ``num_hidden_layers`` entries)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "num_hidden_layers", None)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n and name.endswith("layers"):
+            return name, module
+    raise ValueError("could not find the decoder layers (a ModuleList of num_hidden_layers entries)")
+
+
+def layer_of(name: str, layers_prefix: str) -> int:
+    rest = name[len(layers_prefix) + 1 :]
+    match = _LAYER_RE.match(rest) or _LAYER_RE.search(rest)
+    if not name.startswith(layers_prefix + ".") or match is None:
+        raise ValueError(f"quantized linear {name} is not inside a decoder layer ({layers_prefix}.N)")
+    return int(match.group(1))
+
+
+def replace_linears(model: nn.Module, config: StreamingAWQConfig, index: dict[str, str]) -> dict[str, int]:
+    """Swap the checkpoint's quantized linears for ``AWQInt4Linear``; return name -> layer index."""
+    quantized = sorted(k[: -len(".qweight")] for k in index if k.endswith(".qweight"))
+    if not quantized:
+        raise ValueError(
+            "quantization_config.quant_method is 'awq' but the checkpoint holds no '.qweight' tensors"
+        )
+    prefix, layers = decoder_layers(model)
+    config.streamed_layers(len(layers))  # validates keep_first_k + keep_last_k
+    placed: dict[str, int] = {}
+    for name in quantized:
+        try:
+            old = model.get_submodule(name)
+        except AttributeError as err:
+            raise ValueError(f"the checkpoint quantizes {name}, which this model does not have") from err
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"the checkpoint quantizes {name}, which is a {type(old).__name__}, not a Linear")
+        new = AWQInt4Linear(old.in_features, old.out_features, config.group_size, bias=old.bias is not None)
+        if old.bias is not None:
+            new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        placed[name] = layer_of(name, prefix)
+    patterns = set(model._keys_to_ignore_on_load_unexpected or ()) | set(UNEXPECTED_PATTERNS)
+    model._keys_to_ignore_on_load_unexpected = patterns
+    return placed
+
+
+class StreamingRuntime:
+    """What a streamed model carries: its streamer, stats and a lock serialising forwards."""
+
+    def __init__(self, streamer: LayerStreamer | None, stats: StreamingStats, sources: HostSource | None) -> None:
+        self.streamer = streamer
+        self.stats = stats
+        self.source = sources
+        self.lock = threading.RLock()
+        self._hooks: list = []
+
+    def attach(self, model: nn.Module) -> None:
+        if self.streamer is not None:
+            # One forward at a time: streamed layers share staging slots (e.g. several server workers).
+            self._hooks.append(model.register_forward_pre_hook(self._enter))
+            self._hooks.append(model.register_forward_hook(self._exit, always_call=True))
+        setattr(model, RUNTIME_ATTR, self)
+
+    def _enter(self, module, args) -> None:
+        self.lock.acquire()
+
+    def _exit(self, module, args, output) -> None:
+        self.lock.release()
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        if self.streamer is not None:
+            self.streamer.close()
+
+
+def _read_module(f_by_file: dict, index: dict[str, str], name: str, module: AWQInt4Linear, config, with_weight: bool):
+    """Converted ``(packed or None, scales_zeros)`` of one quantized linear."""
+
+    def get(key: str) -> torch.Tensor | None:
+        path = index.get(key)
+        return None if path is None else f_by_file[path].get_tensor(key)
+
+    qweight, scales = get(name + ".qweight"), get(name + ".scales")
+    qzeros = get(name + ".qzeros") if config.zero_point else None
+    if scales is None:
+        raise ValueError(f"the checkpoint has {name}.qweight but no {name}.scales")
+    K, N = module.in_features, module.out_features
+    if tuple(qweight.shape) != (K, N // 8):
+        raise ValueError(f"{name}.qweight has shape {tuple(qweight.shape)}, expected {(K, N // 8)} (AutoAWQ GEMM)")
+    codes, zeros, s = awq_to_codes(qweight, qzeros, scales, config.group_size)
+    return codes if with_weight else None, scales_and_zeros(s, zeros)
+
+
+def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str, str],
+                  placed: dict[str, int], checkpoint_files: list[str]) -> StreamingRuntime:
+    """Convert every quantized linear once and set up residency and streaming."""
+    _, layers = decoder_layers(model)
+    num_layers = len(layers)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    stats = StreamingStats(residency_mode=config.residency_mode, host=config.host,
+                           n_staging_slots=config.n_staging_slots, prefetch=config.prefetch)
+    modules = {name: model.get_submodule(name) for name in placed}
+    is_streamed = {
+        name: config.is_streamed(layer, name.split(f".{layer}.", 1)[-1], num_layers) for name, layer in placed.items()
+    }
+    files = {path: safe_open(path, framework="pt") for path in set(index.values())}
+    streamed_names = [n for n in placed if is_streamed[n]]
+    source: HostSource | None = None
+    mmap_ready = False
+    if streamed_names and config.host == "mmap":
+        from ..models import cache_dir
+
+        root = Path(config.mmap_dir) if config.mmap_dir else cache_dir() / "awq-int4pack"
+        key = cache_key(checkpoint_files, {"group_size": config.group_size, "zero_point": config.zero_point,
+                                           "device": device.type, "names": streamed_names})
+        source = MmapSource(root / key, config.throttle_bytes_per_s)
+        mmap_ready = source.exists()
+    elif streamed_names:
+        source = RamSource(pin=device.type == "cuda", throttle_bytes_per_s=config.throttle_bytes_per_s)
+
+    def converted():
+        for name in placed:
+            module = modules[name]
+            streamed = is_streamed[name]
+            codes, sz = _read_module(files, index, name, module, config, with_weight=not (streamed and mmap_ready))
+            module.set_weight(None if streamed else to_int4pack(codes, device), sz.to(device))
+            if streamed:
+                if codes is not None:
+                    packed = to_int4pack(codes, device)
+                    yield name, packed.cpu() if device.type == "cuda" else packed
+            else:
+                stats.resident_int4_bytes += module.int4_weight.numel() * module.int4_weight.element_size()
+
+    if isinstance(source, MmapSource):
+        if mmap_ready:
+            for _ in converted():
+                pass
+        else:
+            source.write(converted())
+        source.open()
+    else:
+        for name, packed in converted():
+            source.add(name, packed)
+    if source is not None:
+        stats.streamed_int4_bytes = source.total_bytes()
+    files.clear()
+    streamer = None
+    if streamed_names:
+        by_layer: dict[int, list] = defaultdict(list)
+        for name in streamed_names:
+            by_layer[placed[name]].append((name, modules[name]))
+        streamer = LayerStreamer(layers, dict(by_layer), source, config.n_staging_slots, config.prefetch, device, stats)
+        stats.streamed_layers = len(by_layer)
+    logger.info(
+        "AWQ streaming: %s, %d streamed layers, resident int4 %.1f MB, streamed int4 %.1f MB on %s, staging %.1f MB",
+        config.residency_mode, stats.streamed_layers, stats.resident_int4_bytes / 1e6,
+        stats.streamed_int4_bytes / 1e6, config.host, stats.staging_bytes / 1e6,
+    )
+    runtime = StreamingRuntime(streamer, stats, source)
+    runtime.attach(model)
+    return runtime

@@ -1,0 +1,183 @@
+"""``kvboost-hf awq-pack MODEL OUT``: write an AutoAWQ GEMM checkpoint from a float HF model.
+
+Every ``nn.Linear`` inside the decoder layers is quantized to int4 (group size ``G``, zero
+point by default); embeddings, norms and the LM head stay float (AutoAWQ's convention) and are
+written in ``--dtype`` (fp16 by default, like AutoAWQ). Without calibration text the weights are
+rounded to nearest; with ``--calibration-file`` AWQ's activation-aware input-channel scales are
+searched per layer (q/k/v after the input norm, gate/up after the MLP norm, down after up) and
+folded into the preceding norm or ``up_proj``. Activations come from the float model (not layer
+by layer from the already-quantized one); there is no clipping search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .awq_format import pack_awq
+from .loader import decoder_layers
+from .quantize import rtn_quantize, search_scales
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# (linears sharing one input, the norm before them); "mlp norm" is resolved per architecture.
+_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj")
+
+
+def _collect_inputs(model: nn.Module, prefix: str, n_layers: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Inputs ``[T, K]`` of q_proj, gate_proj and down_proj of every layer for calibration ``ids``."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for i in range(n_layers):
+        for suffix in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):
+            name = f"{prefix}.{i}.{suffix}"
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue
+
+            def hook(mod, args, name=name):
+                captured.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())
+
+            hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for row in ids:
+                model(input_ids=row.unsqueeze(0), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: torch.cat(v) for k, v in captured.items()}
+
+
+def _is_gemma_norm(norm: nn.Module) -> bool:
+    """Gemma's RMSNorm multiplies by ``1 + weight`` instead of ``weight``."""
+    return "gemma" in type(norm).__name__.lower()
+
+
+def _fold_into_norm(sd: dict, norm_name: str, norm: nn.Module, s: torch.Tensor) -> None:
+    w = sd[norm_name + ".weight"]
+    sd[norm_name + ".weight"] = (1.0 + w) / s - 1.0 if _is_gemma_norm(norm) else w / s
+
+
+def _scale_layer(model, sd, layer_name, layer, inputs, group_size, zero_point, scale_dtype) -> dict[str, float]:
+    """Search and fold activation-aware scales for one decoder layer (in ``sd``); return the alphas."""
+    alphas: dict[str, float] = {}
+    mlp_norm = "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
+    plans = [(_ATTN, "self_attn.q_proj", "input_layernorm"), (_MLP, "mlp.gate_proj", mlp_norm),
+             (("mlp.down_proj",), "mlp.down_proj", None)]
+    for group, input_of, norm in plans:
+        names = [f"{layer_name}.{g}" for g in group]
+        x = inputs.get(f"{layer_name}.{input_of}")
+        if x is None or not all(n + ".weight" in sd for n in names):
+            continue
+        if norm is not None and not hasattr(layer, norm):
+            continue
+        if norm is None and f"{layer_name}.mlp.up_proj.weight" not in sd:
+            continue
+        s, alpha = search_scales(x, [sd[n + ".weight"] for n in names], group_size, zero_point, scale_dtype=scale_dtype)
+        for n in names:
+            sd[n + ".weight"] = sd[n + ".weight"] * s
+        if norm is not None:
+            _fold_into_norm(sd, f"{layer_name}.{norm}", getattr(layer, norm), s)
+        else:
+            up = f"{layer_name}.mlp.up_proj"
+            sd[up + ".weight"] = sd[up + ".weight"] / s.unsqueeze(1)
+            if up + ".bias" in sd:
+                sd[up + ".bias"] = sd[up + ".bias"] / s
+        alphas[group[0]] = alpha
+    return alphas
+
+
+@torch.no_grad()
+def pack_model(
+    model: nn.Module,
+    out_dir: str | Path,
+    group_size: int = 128,
+    calibration_ids: torch.Tensor | None = None,
+    zero_point: bool = True,
+    dtype: torch.dtype = torch.float16,
+    tokenizer=None,
+) -> dict:
+    """Write ``model`` as an AutoAWQ GEMM checkpoint to ``out_dir``; return a summary dict."""
+    out = Path(out_dir)
+    prefix, layers = decoder_layers(model)
+    full = model.state_dict()
+    seen: dict[int, str] = {}
+    sd: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():  # tied weights (embeddings / LM head) are written once
+        if tensor.data_ptr() in seen and tensor.numel() > 0:
+            continue
+        seen[tensor.data_ptr()] = name
+        sd[name] = tensor.detach().to(torch.float32).clone() if tensor.is_floating_point() else tensor.clone()
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix + ".")]
+    for name in linears:
+        in_features = model.get_submodule(name).in_features
+        if in_features % group_size:
+            raise ValueError(f"group_size {group_size} does not divide in_features {in_features} of {name}")
+    alphas: dict[str, dict[str, float]] = {}
+    if calibration_ids is not None:
+        inputs = _collect_inputs(model, prefix, len(layers), calibration_ids)
+        for i, layer in enumerate(layers):
+            alphas[str(i)] = _scale_layer(model, sd, f"{prefix}.{i}", layer, inputs, group_size, zero_point, dtype)
+            logger.info("layer %d: activation-aware alphas %s", i, alphas[str(i)])
+    tensors: dict[str, torch.Tensor] = {}
+    for name in linears:
+        weight = sd.pop(name + ".weight")
+        codes, zeros, scales = rtn_quantize(weight, group_size, zero_point, scale_dtype=dtype)
+        tensors[name + ".qweight"] = pack_awq(codes.t().contiguous())
+        if zero_point:
+            tensors[name + ".qzeros"] = pack_awq(zeros.to(torch.int32))
+        tensors[name + ".scales"] = scales.to(dtype).contiguous()
+    for name, tensor in sd.items():
+        tensors[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.quantization_config = {
+        "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": zero_point,
+        "version": "gemm", "modules_to_not_convert": None,
+    }
+    config.dtype = dtype
+    config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    summary = {"linears": len(linears), "group_size": group_size, "zero_point": zero_point,
+               "activation_aware": calibration_ids is not None, "alphas": alphas, "path": str(out)}
+    logger.info("wrote AWQ checkpoint %s (%d int4 linears)", out, len(linears))
+    return summary
+
+
+def add_awq_pack_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="float HF model directory, or 'default' for the embedded Gemma-3-270M")
+    parser.add_argument("out", help="output directory for the AutoAWQ GEMM checkpoint")
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--calibration-file", default=None,
+                        help="text file for activation-aware scale search (without it: round-to-nearest)")
+    parser.add_argument("--calibration-tokens", type=int, default=512)
+    parser.add_argument("--no-zero-point", action="store_true", help="symmetric quantization (zero_point false)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", help="dtype of scales and float weights")
+
+
+def awq_pack_command(args: argparse.Namespace) -> str:
+    """Run ``kvboost-hf awq-pack``; return the line the CLI prints."""
+    from ..models import load_model
+
+    model, tokenizer = load_model(None if args.model == "default" else args.model, dtype=torch.float32)
+    ids = None
+    if args.calibration_file:
+        text = Path(args.calibration_file).read_text(encoding="utf-8")
+        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : args.calibration_tokens]
+    summary = pack_model(model, args.out, group_size=args.group_size, calibration_ids=ids,
+                         zero_point=not args.no_zero_point, dtype=_DTYPES[args.dtype], tokenizer=tokenizer)
+    mode = "activation-aware" if summary["activation_aware"] else "round-to-nearest"
+    return f"wrote {summary['path']}: {summary['linears']} int4 linears, group size {args.group_size}, {mode}"
