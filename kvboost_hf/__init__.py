@@ -1,9 +1,11 @@
 """kvboost_hf: cross-request KV-cache reuse for Hugging Face transformers."""
 
 from .cache import ChunkReuseCache
-from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats, warm
+from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats
+from .state import refresh_namespace
 from .store import ChunkStore
 from .telemetry import ReuseStats
+from .warm import warm
 
 __version__ = "0.1.0"
 
@@ -15,5 +17,6 @@ __all__ = [
     "enable_chunk_reuse",
     "is_chunk_reuse_enabled",
     "last_request_stats",
+    "refresh_namespace",
     "warm",
 ]

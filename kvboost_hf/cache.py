@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .telemetry import ReuseStats
 
 logger = logging.getLogger(__name__)
+_warned_unmanaged = False
 
 Segment = tuple[torch.Tensor, torch.Tensor]
 """Keys and values of consecutive tokens, each ``[batch, num_kv_heads, num_tokens, head_dim]``."""
@@ -111,9 +112,10 @@ class ReuseSlidingLayer(DynamicSlidingWindowLayer):
         self.capture = True
 
     def load(self, segments: list[Segment]) -> None:
-        """Fill the (empty) layer: only the last ``sliding_window - 1`` tokens stay live."""
+        """Fill the (empty) layer: only the last ``sliding_window - 1`` tokens stay live, unless
+        past recording is on (assisted decoding), where everything stays until the next ``crop``."""
         total = sum(k.shape[-2] for k, _ in segments)
-        keep = self.sliding_window - 1
+        keep = total if self.record_past else self.sliding_window - 1
         tail, have = [], 0
         for seg in reversed(segments):
             tail.append(seg)
@@ -214,6 +216,11 @@ class ChunkReuseCache(DynamicCache):
         self.request: _Request | None = None
         self.stats: ReuseStats | None = None
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.request is None and layer_idx == 0:
+            _warn_unmanaged()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     # ------------------------------------------------------------------ state
     @property
     def supports_reuse(self) -> bool:
@@ -310,6 +317,17 @@ class ChunkReuseCache(DynamicCache):
             return keys, values
 
         return self.store.insert(request.namespace, ids, chunk_states, pin=pin, boundaries=boundaries)
+
+
+def _warn_unmanaged() -> None:
+    global _warned_unmanaged
+    if not _warned_unmanaged:
+        _warned_unmanaged = True
+        logger.warning(
+            "A ChunkReuseCache is used on a model without chunk reuse enabled: it works like a DynamicCache and "
+            "reuses nothing. Call kvboost_hf.enable_chunk_reuse(model, store) first (then generate needs no "
+            "past_key_values at all)."
+        )
 
 
 class BlendLayer(DynamicLayer):

@@ -14,60 +14,23 @@ Everything else (sampling, logits processors, streamers, assisted decoding) is g
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
-import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from . import attention
+from . import attention, model_class
 from .cache import ChunkReuseCache, _Request, as_batch
 from .repair import RepairContext, ReusePlan, in_inner_forward, make_strategy
 from .rope import RopeShifter, UnsupportedRope
-from .segments import segment_starts, separator_ids, turn_start_ids
+from .segments import separator_ids, turn_start_ids
+from .state import STATE_ATTR, ReuseState, namespace, reuse_state
 from .store import ChunkStore
 from .store.codec import ENTRY_OVERHEAD_BYTES
-from .store.keys import Key, model_namespace, model_state_token
+from .store.keys import Key, UnfingerprintableModel
 from .telemetry import ReuseStats
 
 logger = logging.getLogger(__name__)
-
-_STATE_ATTR = "_kvboost_reuse"
-# Namespace keys per model, kept across enable/disable (hashing weights is not free).
-_namespaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_namespace_lock = threading.Lock()
-
-
-@dataclass
-class _ReuseState:
-    store: ChunkStore
-    hooks: list = field(default_factory=list)
-    last_stats: ReuseStats | None = None
-    strategy: Any = None  # None: exact prefix reuse only
-    shifter: RopeShifter | None = None
-    approximate_refusal: str = ""  # why moved chunks are not reused on this model
-    turn_tokens: tuple[int, ...] = ()
-    separator: tuple[int, ...] = ()
-    leading_special: tuple[int, ...] = ()
-    original_attention: str | None = None
-
-    def boundaries(self, token_ids: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
-        return segment_starts(token_ids, self.turn_tokens, self.separator, extra, self.leading_special)
-
-    def namespace(self, model: torch.nn.Module) -> Key:
-        """The model's namespace key, recomputed only when its weights, dtype or adapters change."""
-        token = model_state_token(model)
-        with _namespace_lock:
-            memo = _namespaces.get(model)
-            if memo is None or memo[0] != token:
-                memo = (token, model_namespace(model))
-                _namespaces[model] = memo
-            return memo[1]
 
 
 def _target(model: torch.nn.Module) -> torch.nn.Module:
@@ -114,10 +77,16 @@ def enable_chunk_reuse(
     strategy); those tokens are reported as approximate. ``recompute_ratio`` is cacheblend's
     share of reused tokens recomputed, ``seam_tokens`` selective's tokens recomputed per seam.
     ``tokenizer`` lets chunk boundaries follow chat turns, and ``separator`` (a string) too.
-    Calling it again replaces the settings. Returns ``model``.
+    ``"exact"`` is a synonym of ``None``. Calling it again replaces the settings.
+
+    The model's namespace (a hash of every weight byte, ~70 ms per GB) is computed here, so the
+    first request does not pay it. ``copy.deepcopy(model)`` / ``torch.save(model)`` give the
+    plain model without reuse. Returns ``model``.
     """
     if not isinstance(store, ChunkStore):
         raise TypeError(f"store must be a ChunkStore, got {type(store).__name__}")
+    if recompute_strategy == "exact":
+        recompute_strategy = None
     strategy = None if recompute_strategy is None else make_strategy(
         recompute_strategy, recompute_ratio, seam_tokens, check_layer
     )
@@ -136,15 +105,15 @@ def enable_chunk_reuse(
                 f"recompute_strategy='cacheblend' needs SDPA attention (the model uses {attn!r}): load the model "
                 "with attn_implementation='sdpa', or use recompute_strategy='selective'"
             )
-    state = getattr(target, _STATE_ATTR, None)
+    state = reuse_state(target)
     if state is None:
-        state = _ReuseState(store=store)
+        state = ReuseState(store=store)
         state.hooks = [
             target.register_forward_pre_hook(_pre_forward, with_kwargs=True),
             target.register_forward_hook(_post_forward, with_kwargs=True),
         ]
-        target.generate = _wrap_generate(target, target.generate)
-        setattr(target, _STATE_ATTR, state)
+        setattr(target, STATE_ATTR, state)
+        state.original_class = model_class.attach(target)
     state.store, state.strategy = store, strategy
     state.turn_tokens = turn_start_ids(tokenizer)
     state.separator = separator_ids(tokenizer, separator)
@@ -161,110 +130,35 @@ def enable_chunk_reuse(
     if getattr(strategy, "name", None) == "cacheblend" and target.config._attn_implementation == "sdpa":
         state.original_attention = "sdpa"
         target.set_attn_implementation(attention.register())
+    try:
+        namespace(target)
+    except UnfingerprintableModel as err:
+        logger.warning("chunk reuse will step aside for this model: %s", err)
     return model
 
 
 def disable_chunk_reuse(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`enable_chunk_reuse` (the store keeps its entries). Returns ``model``."""
     target = _target(model)
-    state = getattr(target, _STATE_ATTR, None)
+    state = reuse_state(target)
     if state is not None:
         for hook in state.hooks:
             hook.remove()
-        target.__dict__.pop("generate", None)
+        model_class.detach(target)
         if state.original_attention is not None:
             target.set_attn_implementation(state.original_attention)
-        delattr(target, _STATE_ATTR)
+        delattr(target, STATE_ATTR)
     return model
 
 
 def is_chunk_reuse_enabled(model: torch.nn.Module) -> bool:
-    return getattr(_target(model), _STATE_ATTR, None) is not None
+    return reuse_state(_target(model)) is not None
 
 
 def last_request_stats(model: torch.nn.Module) -> ReuseStats | None:
     """Reuse statistics of the latest generate call (or ``warm``) on ``model``; None before any."""
-    state = getattr(_target(model), _STATE_ATTR, None)
+    state = reuse_state(_target(model))
     return None if state is None else state.last_stats
-
-
-# ---------------------------------------------------------------------- generate wrapper
-def _wrap_generate(model: torch.nn.Module, original):
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        state = getattr(model, _STATE_ATTR, None)
-        inputs = _generate_inputs(args, kwargs)
-        if inputs is not None and inputs.dim() == 2 and inputs.shape[1] == 0 and kwargs.get("inputs_embeds") is None:
-            # transformers fails deep inside attention with a reshape error; say what is wrong instead.
-            raise ValueError("generate() got an empty prompt (0 tokens): pass at least one token, e.g. the BOS token")
-        segments = kwargs.pop("segments", None)
-        cache = _request_cache(model, state, inputs, kwargs) if state is not None else None
-        if cache is not None and segments is not None:
-            cache.segments = [int(p) for p in segments]
-        try:
-            output = original(*args, **kwargs)
-        finally:
-            attention.set_scattered_queries(None)
-            if cache is not None:
-                cache.end_blend()
-        if cache is not None:
-            _finish_request(state, cache)
-        return output
-
-    return generate
-
-
-def _finish_request(state: _ReuseState, cache: ChunkReuseCache, pin: bool = False) -> None:
-    ids = cache.token_ids() if cache.trackable else []
-    stored = cache.commit(pin=pin, boundaries=state.boundaries(ids, cache.segments))
-    if cache.stats is not None:
-        cache.stats.stored_chunks = stored
-        state.last_stats = cache.stats
-
-
-def _generate_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    inputs = kwargs.get("input_ids", kwargs.get("inputs"))
-    if inputs is None and args:
-        inputs = args[0]
-    return inputs if isinstance(inputs, torch.Tensor) else None
-
-
-def _request_cache(model, state: _ReuseState, inputs: torch.Tensor | None, kwargs: dict) -> ChunkReuseCache | None:
-    """The ChunkReuseCache this generate call will use (created or reset here), or None to stay out."""
-    config = kwargs.get("generation_config") or model.generation_config
-    if getattr(config, "is_assistant", False):
-        return None  # an assistant's rounds continue one cache; never reset it
-    if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
-        return None
-    if kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) is not None:
-        return None
-    if not model._supports_default_dynamic_cache():
-        return None
-    cache = kwargs.get("past_key_values")
-    if cache is None:
-        cache = ChunkReuseCache(model.config, state.store)
-        kwargs["past_key_values"] = cache
-        return cache
-    if not isinstance(cache, ChunkReuseCache):
-        return None  # the caller's own cache: transformers' semantics, untouched
-    if cache.store is None:
-        cache.store = state.store
-    if cache.num_tokens and _continues(cache, inputs):
-        cache.request, cache.stats = None, None  # HF's "continue from a prompt cache" pattern
-    elif cache.num_tokens or cache.get_seq_length() or cache.request is not None:
-        logger.debug("ChunkReuseCache reused for a new prompt: reset (the store keeps the reusable K/V)")
-        cache.reset()
-    return cache
-
-
-def _continues(cache: ChunkReuseCache, inputs: torch.Tensor | None) -> bool:
-    """Whether ``inputs`` (batch 1) extends exactly the tokens the cache holds."""
-    if inputs is None or inputs.dim() != 2 or inputs.shape[0] != 1 or not cache.trackable:
-        return False
-    n = cache.num_tokens
-    if inputs.shape[1] <= n or cache.get_seq_length() != n:
-        return False
-    return inputs[0, :n].tolist() == cache.token_ids()
 
 
 # ---------------------------------------------------------------------- forward pre-hook
@@ -283,7 +177,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
         cache.untrack()
         return None
     if cache.request is None:
-        state = getattr(module, _STATE_ATTR, None)
+        state = reuse_state(module)
         if state is not None:
             _start_request(module, state, cache, input_ids, kwargs)
             return args, kwargs
@@ -324,7 +218,16 @@ def _refusal(cache: ChunkReuseCache, kwargs: dict, input_ids: torch.Tensor) -> s
     return ""
 
 
-def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids: torch.Tensor, kwargs: dict):
+def _per_position_outputs(module: torch.nn.Module, kwargs: dict) -> str:
+    """The per-position output this forward must return for the whole prompt ('' when none)."""
+    config = getattr(module, "config", None)
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(name, getattr(config, name, False)):
+            return name
+    return ""
+
+
+def _start_request(module, state: ReuseState, cache: ChunkReuseCache, input_ids: torch.Tensor, kwargs: dict):
     start_time = time.perf_counter()
     prompt_len = input_ids.shape[-1]
     stats = ReuseStats(prompt_tokens=prompt_len, recomputed_tokens=prompt_len)
@@ -336,16 +239,25 @@ def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids
         stats.layer_tokens = [prompt_len] * len(cache.layers)
         cache.untrack()
         return
-    request.namespace = state.namespace(module)
+    try:
+        request.namespace = namespace(module)
+    except UnfingerprintableModel as err:
+        stats.reason = f"model weights cannot be fingerprinted: {err}"
+        stats.layer_tokens = [prompt_len] * len(cache.layers)
+        cache.untrack()
+        return
     if input_ids.shape[0] > 1:
         request.commit_limit = cache.num_tokens + prompt_len
     reused = exact = 0
     logits_to_keep = kwargs.get("logits_to_keep", 0)
     can_skip = isinstance(logits_to_keep, int) and logits_to_keep > 0 and kwargs.get("labels") is None
+    per_position = _per_position_outputs(module, kwargs)
     if cache.num_tokens:
         stats.reason = "continuing a pre-filled cache"
     elif not can_skip:
         stats.reason = "forward needs logits of every position"
+    elif per_position:
+        stats.reason = f"{per_position}=True returns every prompt position: no reuse (the prompt is still stored)"
     else:
         limit = prompt_len - logits_to_keep
         reused, exact = _load_prefix(cache, request.namespace, input_ids, limit)
@@ -366,7 +278,7 @@ def _start_request(module, state: _ReuseState, cache: ChunkReuseCache, input_ids
     stats.lookup_ms = (time.perf_counter() - start_time) * 1000.0
 
 
-def _repair(module, state: _ReuseState, cache, plan: ReusePlan, kwargs: dict, stats: ReuseStats, start_time) -> None:
+def _repair(module, state: ReuseState, cache, plan: ReusePlan, kwargs: dict, stats: ReuseStats, start_time) -> None:
     """Place the content hits of ``plan`` with the configured strategy and trim the real forward to what is left."""
     prompt_len, input_ids = plan.prompt_len, plan.input_ids
     ctx = RepairContext(module, cache, plan, state.shifter)
@@ -419,65 +331,3 @@ def _select_inputs(kwargs: dict, index: slice | torch.Tensor, prompt_len: int) -
         value = kwargs.get(name)
         if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_len:
             kwargs[name] = value[..., index]
-
-
-# ---------------------------------------------------------------------- warm
-def warm(
-    model: torch.nn.Module,
-    input_ids_or_text: str | Sequence[int] | torch.Tensor | Sequence[str] | None,
-    store: ChunkStore,
-    tokenizer=None,
-    pin: bool = False,
-    *,
-    documents: Sequence[str | Sequence[int]] | None = None,
-) -> ReuseStats:
-    """Prefill ``store`` with the K/V of a text or token sequence (one forward, no generation).
-
-    Text is tokenized with ``tokenizer`` exactly as a prompt would be (special tokens added),
-    so a warmed system prompt is a prefix of later prompts that start with it; its chunks start
-    right after the leading special tokens, so the text is also found by content wherever it
-    later appears (with a ``recompute_strategy``). ``documents=[...]`` (or a list of strings)
-    warms each document as a segment of its own. ``pin=True`` makes the store evict these
-    chunks last. Returns the stats summed over everything warmed.
-    """
-    if documents is None and isinstance(input_ids_or_text, (list, tuple)) and input_ids_or_text \
-            and isinstance(input_ids_or_text[0], str):
-        documents = input_ids_or_text
-    if documents is not None:
-        total = ReuseStats()
-        for document in documents:
-            stats = warm(model, document, store, tokenizer=tokenizer, pin=pin)
-            total.prompt_tokens += stats.prompt_tokens
-            total.reused_tokens += stats.reused_tokens
-            total.exact_tokens += stats.exact_tokens
-            total.recomputed_tokens += stats.recomputed_tokens
-            total.stored_chunks += stats.stored_chunks
-            total.lookup_ms += stats.lookup_ms
-        return total
-    target = _target(model)
-    if isinstance(input_ids_or_text, str):
-        if tokenizer is None:
-            raise ValueError("warm() got text: pass tokenizer= to tokenize it, or pass token ids")
-        ids = tokenizer(input_ids_or_text, return_tensors="pt")["input_ids"]
-    elif input_ids_or_text is None:
-        raise ValueError("warm() needs a text, token ids, or documents=[...]")
-    else:
-        ids = torch.as_tensor(input_ids_or_text, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise ValueError(f"warm() needs one non-empty token sequence, got shape {tuple(ids.shape)}")
-    ids = ids.to(target.device)
-    installed_here = not is_chunk_reuse_enabled(target)
-    if installed_here:
-        enable_chunk_reuse(target, store)
-    try:
-        state = getattr(target, _STATE_ATTR)
-        cache = ChunkReuseCache(target.config, store)
-        with torch.no_grad():
-            target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        _finish_request(state, cache, pin=pin)
-    finally:
-        if installed_here:
-            disable_chunk_reuse(target)
-    return cache.stats

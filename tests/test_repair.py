@@ -215,3 +215,23 @@ def test_cacheblend_needs_sdpa():
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="SDPA"):
         enable_chunk_reuse(model, ChunkStore(), recompute_strategy="cacheblend")
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("strategy", ["none", "selective", "cacheblend"])
+@pytest.mark.parametrize("assist", ["prompt_lookup", "assistant_model"])
+def test_every_strategy_composes_with_assisted_decoding_on_sliding_window_models(family, strategy, assist):
+    """Repaired sliding layers must keep what assisted decoding may crop (window 16, 97-token prompt);
+    the prompt has no exact prefix, so layers past cacheblend's check layer start empty too."""
+    model = make_tiny(family)
+    a, b, system, question = documents()
+    prompt = torch.cat([system, b, a, question]).unsqueeze(0)  # no <bos>: nothing exact to start from
+    extra = dict(prompt_lookup_num_tokens=3) if assist == "prompt_lookup" else dict(assistant_model=make_tiny(family, seed=1))
+    runs = []
+    for kw in ({}, extra):
+        enable_chunk_reuse(model, warmed_store(model), recompute_strategy=strategy)
+        runs.append(model.generate(prompt, max_new_tokens=12, do_sample=False, **kw))
+        stats = last_request_stats(model)
+        disable_chunk_reuse(model)
+        assert stats.approximate_tokens > 0 and stats.exact_tokens == 0
+    assert torch.equal(runs[0], runs[1])  # assisted greedy verifies against the same repaired cache

@@ -50,15 +50,18 @@ class CacheBlendRepair:
 
         buffers = []
         for i, layer in enumerate(cache.layers):
-            keys, values = layer.full_states()
+            keys, values = layer.full_states() if (i <= check or start) else (None, None)
             if i <= check:  # fresh K/V of every position from the first pass
                 buffers.append((keys[..., :prompt_len, :].clone(), values[..., :prompt_len, :].clone()))
                 continue
-            shape = (*keys.shape[:2], prompt_len, keys.shape[-1])
-            k_buf, v_buf = keys.new_zeros(shape), values.new_zeros(shape)
-            k_buf[..., :start, :], v_buf[..., :start, :] = keys[..., :start, :], values[..., :start, :]
-            for hit in plan.hits:
-                k, v = ctx.hit_states(hit, i)
+            # Layers past the check layer hold only the exact prefix (nothing at all without one).
+            states = [ctx.hit_states(hit, i) for hit in plan.hits]
+            k0, v0 = states[0]
+            k_buf = k0.new_zeros((*k0.shape[:2], prompt_len, k0.shape[-1]))
+            v_buf = v0.new_zeros((*v0.shape[:2], prompt_len, v0.shape[-1]))
+            if start:
+                k_buf[..., :start, :], v_buf[..., :start, :] = keys[..., :start, :], values[..., :start, :]
+            for hit, (k, v) in zip(plan.hits, states):
                 k_buf[..., hit.start : hit.start + hit.num_tokens, :] = k
                 v_buf[..., hit.start : hit.start + hit.num_tokens, :] = v
             buffers.append((k_buf, v_buf))

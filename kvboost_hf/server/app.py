@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from ..reuse import disable_chunk_reuse, enable_chunk_reuse, warm
+from ..reuse import disable_chunk_reuse, enable_chunk_reuse
+from ..warm import warm
 from ..store import ChunkStore
 from . import schemas
 from .errors import APIError, install_error_handlers

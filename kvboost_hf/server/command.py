@@ -84,7 +84,7 @@ def warm_texts(
     """
     from tqdm.auto import tqdm
 
-    from ..reuse import warm
+    from ..warm import warm
 
     total = 0
     sources = [(f"--warm #{i + 1}", text) for i, text in enumerate(texts)]

@@ -65,6 +65,11 @@ class StoredChunk:
         """Whether every token is held in the model's own precision."""
         return not any(isinstance(p, QuantizedTensor) for p in (*self.keys, *self.values))
 
+    @property
+    def bits(self) -> int | None:
+        """Storage precision: None when every token is held in the model's own dtype, else the fewest bits used."""
+        return min((p.bits for p in (*self.keys, *self.values) if isinstance(p, QuantizedTensor)), default=None)
+
     def exact_tokens(self, n: int) -> int:
         """How many of the first ``n`` tokens load bit for bit."""
         return n if self.is_exact else min(n, self.dense_tokens)
@@ -139,6 +144,7 @@ def to_tensors(entry: StoredChunk) -> tuple[dict[str, torch.Tensor], dict[str, s
         "layers": str(entry.num_layers),
         "dense_tokens": str(entry.dense_tokens),
         "quantized": json.dumps(quantized),
+        "kv_bits": "none" if entry.bits is None else str(entry.bits),
         "pinned": "1" if entry.pinned else "0",
     }
     return {k: v.detach().to("cpu") for k, v in tensors.items()}, metadata

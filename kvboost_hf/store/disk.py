@@ -1,10 +1,14 @@
 """Persistent tier of the ChunkStore: one safetensors file per chunk, checksummed, atomically written.
 
 Every file is self-describing: its metadata holds the chunk key, its parent, the namespace, its
-token ids and a checksum over tensors and metadata. A file is only ever used after the checksum
-matches *and* its key equals ``chunk_key(parent, token_ids)``; anything else is deleted and
-counted as ``corrupt_dropped``. Writes go to a temporary file renamed into place, and a file lock
-serialises writers and deletions across processes sharing the directory.
+token ids, its storage precision and a checksum over tensors and metadata. A file is only ever
+used after the checksum matches *and* its key equals ``chunk_key(parent, token_ids)`` *and* the
+file's name is that key; anything else is deleted (in a read-only tier: ignored) and counted as
+``corrupt_dropped``. Writes go to a temporary file renamed into place, and a file lock serialises
+writers and deletions across processes sharing the directory; temporary files left by a writer
+that died are reclaimed under that lock. The byte budget is kept with the same chain-aware
+policy as RAM (:mod:`.eviction`), decided from the files themselves, so every process sharing
+the directory applies it alike.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from filelock import FileLock
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from .eviction import DISK_HALF_LIFE_S, Candidate, choose_victims, recompute_cost
 from .keys import Key, chunk_key
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "kvboost-chunk-1"
 SUFFIX = ".safetensors"
+TMP_PREFIX = ".tmp-"
 
 
 class CorruptEntry(Exception):
@@ -44,6 +50,30 @@ class DiskRecord:
     namespace: Key
     token_ids: tuple[int, ...]
     nbytes: int
+    start: int = 0
+    bits: int | None = None  # storage precision: None = the model's own dtype (lossless)
+    pinned: bool = False
+
+
+def precision_of(metadata: dict[str, str]) -> int | None:
+    """Storage bits of an entry from its metadata (None: lossless)."""
+    if "kv_bits" in metadata:
+        return None if metadata["kv_bits"] == "none" else int(metadata["kv_bits"])
+    quantized = json.loads(metadata.get("quantized") or "{}")  # files written before kv_bits existed
+    return min((spec[0] for spec in quantized.values()), default=None)
+
+
+def _record(key: Key, meta: dict[str, str], nbytes: int) -> DiskRecord:
+    """The record of a file named by ``key``; CorruptEntry unless its header names the same key."""
+    if meta.get("format") != FORMAT or meta.get("key") != key.hex():
+        raise CorruptEntry("wrong format, or the file holds another entry than its name says")
+    parent, tokens = bytes.fromhex(meta["parent"]), tuple(json.loads(meta["tokens"]))
+    if not tokens or chunk_key(parent, tokens) != key:
+        raise CorruptEntry("key does not match its parent and tokens")
+    return DiskRecord(
+        key=key, parent=parent, namespace=bytes.fromhex(meta["namespace"]), token_ids=tokens, nbytes=nbytes,
+        start=int(meta.get("start", 0)), bits=precision_of(meta), pinned=meta.get("pinned") == "1",
+    )
 
 
 def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
@@ -73,60 +103,127 @@ def _read_header(data: bytes) -> dict:
 
 
 class DiskTier:
-    """Chunk files under ``path``, at most ``max_bytes`` in total (least recently used go first)."""
+    """Chunk files under ``path``, at most ``max_bytes`` in total (temporary files included).
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int) -> None:
+    ``read_only=True`` never writes, creates, touches or deletes anything, so a directory on
+    read-only media can be served: corrupt files are skipped (and counted), not deleted.
+    """
+
+    def __init__(self, path: str | os.PathLike, max_bytes: int, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.read_only = read_only
+        self.reads = self.writes = self.corrupt_dropped = self.temp_reclaimed = 0
+        self._headers: dict[Key, tuple[tuple[int, int], DiskRecord]] = {}  # key -> ((inode, size), record)
+        self._bad: dict[Key, tuple[int, int]] = {}  # corrupt files a read-only tier keeps skipping
+        self.lock = FileLock(str(self.path / ".lock"))
+        if read_only:
+            if not self.path.is_dir():
+                raise ValueError(f"disk_path {str(path)!r} is not a directory (a read-only store does not create one)")
+            return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f".probe-{uuid.uuid4().hex}"
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as err:
-            raise ValueError(f"disk_path {str(path)!r} is not a writable directory: {err}") from err
-        self.max_bytes = max_bytes
-        self.lock = FileLock(str(self.path / ".lock"))
-        self.reads = self.writes = self.corrupt_dropped = 0
+            raise ValueError(
+                f"disk_path {str(path)!r} is not a writable directory: {err} (read_only=True serves it without writing)"
+            ) from err
+        with self.lock:
+            self._reclaim_temp_files()
 
     def file_for(self, key: Key) -> Path:
         return self.path / f"{key.hex()}{SUFFIX}"
 
     def has(self, key: Key) -> bool:
-        return self.file_for(key).exists()
+        return key not in self._bad and self.file_for(key).exists()
 
     # ------------------------------------------------------------------ write
     def write(self, key: Key, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-        """Write one entry atomically; returns its size in bytes (0 when it does not fit)."""
+        """Write one entry atomically; returns its size in bytes, or 0 when it is not written: the
+        tier is read-only, its parent chunk has no file (it would be unreachable), or no room can
+        be made without evicting its own chain (the chain-aware policy never does that).
+        """
+        parent = bytes.fromhex(metadata["parent"])
+        if self.read_only or (metadata["parent"] != metadata["namespace"] and not self.has(parent)):
+            return 0
         metadata = dict(metadata, format=FORMAT, key=key.hex())
         metadata["checksum"] = _checksum(tensors, metadata)
         data = save_safetensors({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
         if len(data) > self.max_bytes:
             return 0
         target = self.file_for(key)
-        with self.lock:
-            self._make_room(len(data))
-            tmp = self.path / f".tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+        try:
+            with self.lock:
+                old = target.stat().st_size if target.exists() else 0
+                if not self._make_room(len(data) - old, keep={key, parent}):
+                    return 0
+                tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+        except OSError as err:
+            logger.warning("disk tier write failed (%s); the chunk stays in RAM only", err)
+            return 0
         self.writes += 1
         return len(data)
 
-    def _make_room(self, nbytes: int) -> None:
-        files = [(p.stat(), p) for p in self.path.glob(f"*{SUFFIX}")]
-        total = sum(st.st_size for st, _ in files)
-        for st, p in sorted(files, key=lambda item: item[0].st_mtime):
-            if total + nbytes <= self.max_bytes:
-                break
-            p.unlink(missing_ok=True)
-            total -= st.st_size
-            logger.debug("disk tier evicted %s", p.name)
+    def _reclaim_temp_files(self) -> int:
+        """Delete temporary files (call with the lock held: then no writer is alive mid-write)."""
+        freed = 0
+        for tmp in self.path.glob(f"{TMP_PREFIX}*"):
+            try:
+                size = tmp.stat().st_size
+                tmp.unlink()
+            except OSError:
+                continue
+            freed += size
+            self.temp_reclaimed += 1
+            logger.info("reclaimed %s (%d bytes) left by a writer that died mid-write", tmp.name, size)
+        return freed
+
+    def _make_room(self, nbytes: int, keep: set[Key]) -> bool:
+        self._reclaim_temp_files()
+        records = self.records(self.keys())
+        total = sum(r.nbytes for r in records)
+        if total + nbytes <= self.max_bytes:
+            return True
+        now = time.time()
+        candidates = []
+        for r in records:
+            try:
+                age = max(0.0, now - self.file_for(r.key).stat().st_mtime)
+            except OSError:
+                age = 0.0
+            value = recompute_cost(r.start, len(r.token_ids)) / r.nbytes * 0.5 ** (age / DISK_HALF_LIFE_S)
+            candidates.append(Candidate(r.key, r.parent, r.namespace, r.nbytes, value, r.pinned))
+        victims = choose_victims(candidates, total + nbytes - self.max_bytes, keep)
+        if victims is None:
+            return False
+        for key in victims:
+            self.file_for(key).unlink(missing_ok=True)
+            self._headers.pop(key, None)
+            logger.debug("disk tier evicted %s", key.hex())
+        return True
+
+    def touch(self, keys: list[Key]) -> None:
+        """Mark entries as just used (their mtime is the disk tier's recency, shared across processes)."""
+        if self.read_only:
+            return
+        for key in keys:
+            try:
+                os.utime(self.file_for(key))
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ read
     def read(self, key: Key, namespace: Key) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
         """Verified tensors and metadata of ``key``, or None (missing, corrupt or another namespace)."""
+        if key in self._bad:
+            return None
         target = self.file_for(key)
         try:
             data = target.read_bytes()
@@ -134,34 +231,36 @@ class DiskTier:
             return None
         try:
             metadata = _read_header(data).get("__metadata__") or {}
-            if metadata.get("format") != FORMAT or metadata.get("key") != key.hex():
-                raise CorruptEntry("wrong format or key")
+            _record(key, metadata, len(data))
             try:
                 tensors = load_safetensors(data)
             except Exception as err:  # safetensors raises its own error types on bad payloads
                 raise CorruptEntry(f"unreadable tensors: {err}") from err
             if _checksum(tensors, metadata) != metadata.get("checksum"):
                 raise CorruptEntry("checksum mismatch")
-            parent = bytes.fromhex(metadata["parent"])
-            if chunk_key(parent, json.loads(metadata["tokens"])) != key:
-                raise CorruptEntry("key does not match its parent and tokens")
         except (CorruptEntry, KeyError, ValueError) as err:
-            self.drop_corrupt(target, str(err))
+            self.drop_corrupt(target, key, str(err))
             return None
         if metadata["namespace"] != namespace.hex():
             return None
         self.reads += 1
-        try:
-            os.utime(target)  # recency for the disk tier's LRU
-        except OSError:
-            pass
+        self.touch([key])
         return tensors, metadata
 
-    def drop_corrupt(self, target: Path, why: str) -> None:
+    def drop_corrupt(self, target: Path, key: Key, why: str) -> None:
+        self.corrupt_dropped += 1
+        self._headers.pop(key, None)
+        if self.read_only:
+            logger.warning("skipping corrupt disk entry %s (read-only store, not deleted): %s", target.name, why)
+            try:
+                st = target.stat()
+                self._bad[key] = (st.st_ino, st.st_size)
+            except OSError:
+                pass
+            return
         logger.warning("dropping corrupt disk entry %s: %s", target.name, why)
         with self.lock:
             target.unlink(missing_ok=True)
-        self.corrupt_dropped += 1
 
     def keys(self) -> set[Key]:
         """Keys of every entry file present now."""
@@ -174,42 +273,58 @@ class DiskTier:
         return out
 
     def records(self, keys: set[Key]) -> list[DiskRecord]:
-        """Headers of the entries ``keys`` (missing ones are skipped, corrupt ones dropped)."""
+        """Verified headers of the entries ``keys`` (missing ones skipped, corrupt ones dropped).
+
+        Headers are cached per file (inode and size): a file is only parsed again once replaced.
+        """
         out = []
-        for p in (self.file_for(k) for k in keys):
+        for key in keys:
+            p = self.file_for(key)
             try:
+                st = p.stat()
+                ident = (st.st_ino, st.st_size)
+                if self._bad.get(key) == ident:
+                    continue
+                cached = self._headers.get(key)
+                if cached is not None and cached[0] == ident:
+                    out.append(cached[1])
+                    continue
                 with open(p, "rb") as f:
                     head = f.read(8)
                     n = int.from_bytes(head, "little") if len(head) == 8 else -1
                     if n <= 0 or n > 100_000_000:
                         raise CorruptEntry("bad header length")
                     header = _read_header(head + f.read(n))
-                meta = header.get("__metadata__") or {}
-                out.append(
-                    DiskRecord(
-                        key=bytes.fromhex(meta["key"]),
-                        parent=bytes.fromhex(meta["parent"]),
-                        namespace=bytes.fromhex(meta["namespace"]),
-                        token_ids=tuple(json.loads(meta["tokens"])),
-                        nbytes=p.stat().st_size,
-                    )
-                )
+                record = _record(key, header.get("__metadata__") or {}, st.st_size)
+                self._headers[key] = (ident, record)
+                out.append(record)
             except FileNotFoundError:
                 continue
             except (CorruptEntry, KeyError, ValueError, OSError) as err:
-                self.drop_corrupt(p, str(err))
+                self.drop_corrupt(p, key, str(err))
         return out
 
     def remove(self, key: Key) -> None:
+        if self.read_only:
+            return
+        self._headers.pop(key, None)
         with self.lock:
             self.file_for(key).unlink(missing_ok=True)
 
     def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self.path.glob(f"*{SUFFIX}") if p.exists())
+        """Bytes of every entry and temporary file in the directory."""
+        total = 0
+        for pattern in (f"*{SUFFIX}", f"{TMP_PREFIX}*"):
+            for p in self.path.glob(pattern):
+                try:
+                    total += p.stat().st_size
+                except OSError:
+                    continue
+        return total
 
     def stamp(self) -> float:
         """Changes whenever files are added or removed (directory mtime)."""
         try:
-            return self.path.stat().st_mtime
+            return self.path.stat().st_mtime_ns
         except OSError:
             return time.time()

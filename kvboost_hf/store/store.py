@@ -12,6 +12,7 @@ import torch
 
 from .codec import ENTRY_OVERHEAD_BYTES, StoredChunk, encode_chunk, from_tensors, to_tensors
 from .disk import DiskTier
+from .eviction import recompute_cost
 from .keys import Key, chunk_key, segment_spans
 from .quant import SUPPORTED_BITS, default_group_size
 
@@ -64,6 +65,11 @@ class _IndexEntry:
     parent: Key
     namespace: Key
     token_ids: tuple[int, ...]
+    bits: int | None = None
+
+
+def _precision_rank(bits: int | None) -> int:
+    return 1 << 30 if bits is None else bits
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -74,11 +80,15 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _positive_int(name: str, value, allow_none: bool = False) -> None:
+def _positive_int(name: str, value, allow_none: bool = False) -> int | None:
+    """``value`` as a positive int (integral floats such as ``2e9`` accepted); ValueError otherwise."""
     if value is None and allow_none:
-        return
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 class ChunkStore:
@@ -97,11 +107,14 @@ class ChunkStore:
         group_size: channel group for value quantization; must divide the model's head_dim
             (default: the largest of 128/64/32/16/8 that does).
         sink_tokens: the first ``sink_tokens`` tokens of every sequence stay full precision.
-        read_only: serve lookups but store nothing new (e.g. a curated, pre-warmed document set;
-            the flag can be flipped at any time).
+        read_only: serve lookups but store nothing new (e.g. a curated, pre-warmed document set);
+            with a disk tier, nothing in the directory is written, touched or deleted, so it
+            may live on read-only media. The flag can be flipped at any time.
         disk_path / max_disk_bytes: a persistent tier; every stored chunk is also written there
             (checksummed safetensors), RAM misses are served from it, and another process
-            pointed at the same directory reuses its entries.
+            pointed at the same directory reuses its entries. Stores of different ``kv_bits``
+            may share a directory: a lookup never returns an entry less precise than the
+            store's own setting (a lossless store only lossless entries; int8 lossless or int8).
 
     Eviction keeps what is worth most: ``(hits + 1) x recompute cost / bytes``, halved every
     ``recency_half_life`` store operations without use. Only chunks with no stored successor
@@ -121,11 +134,11 @@ class ChunkStore:
         recency_half_life: int = 256,
         read_only: bool = False,
     ) -> None:
-        _positive_int("max_bytes", max_bytes)
-        _positive_int("chunk_size", chunk_size)
-        _positive_int("group_size", group_size, allow_none=True)
-        _positive_int("max_disk_bytes", max_disk_bytes, allow_none=True)
-        _positive_int("recency_half_life", recency_half_life)
+        max_bytes = _positive_int("max_bytes", max_bytes)
+        chunk_size = _positive_int("chunk_size", chunk_size)
+        group_size = _positive_int("group_size", group_size, allow_none=True)
+        max_disk_bytes = _positive_int("max_disk_bytes", max_disk_bytes, allow_none=True)
+        recency_half_life = _positive_int("recency_half_life", recency_half_life)
         if kv_bits is not None and kv_bits not in SUPPORTED_BITS:
             raise ValueError(f"kv_bits must be None, 8 or 4, got {kv_bits!r}")
         if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
@@ -138,7 +151,7 @@ class ChunkStore:
         self.group_size = group_size
         self.sink_tokens = sink_tokens
         self.recency_half_life = recency_half_life
-        self.read_only = read_only
+        self._read_only = bool(read_only)
         self._lock = threading.RLock()
         self._ram: dict[Key, StoredChunk] = {}
         self._index: dict[Key, _IndexEntry] = {}  # every known chunk, RAM or disk
@@ -156,8 +169,23 @@ class ChunkStore:
         self._disk: DiskTier | None = None
         self._disk_stamp: float | None = None
         if disk_path is not None:
-            self._disk = DiskTier(disk_path, max_disk_bytes or 10 * max_bytes)
+            self._disk = DiskTier(disk_path, max_disk_bytes or 10 * max_bytes, read_only=self._read_only)
             self._refresh_disk_index()
+
+    @property
+    def read_only(self) -> bool:
+        """Serve lookups but store nothing (and write nothing to the disk tier)."""
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        self._read_only = bool(value)
+        if self._disk is not None:
+            self._disk.read_only = self._read_only
+
+    def accepts(self, bits: int | None) -> bool:
+        """Whether entries stored with ``bits`` (None: lossless) are precise enough for this store."""
+        return _precision_rank(bits) >= _precision_rank(self.kv_bits)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -191,10 +219,11 @@ class ChunkStore:
                 "kv_bits": self.kv_bits,
                 "pinned_entries": sum(1 for e in self._ram.values() if e.pinned),
                 **self._counts,
-                "disk_entries": len(self._index) if disk else 0,
+                "disk_entries": len(disk.keys()) if disk else 0,
                 "disk_reads": disk.reads if disk else 0,
                 "disk_writes": disk.writes if disk else 0,
                 "corrupt_dropped": disk.corrupt_dropped if disk else 0,
+                "temp_files_reclaimed": disk.temp_reclaimed if disk else 0,
             }
             return out
 
@@ -223,9 +252,7 @@ class ChunkStore:
                 hits.append(ChunkHit(entry, pos, used))
                 chain.add(key)
                 pos += used
-            for hit in hits:
-                hit.chunk.hits += 1
-                hit.chunk.last_used = self._clock
+            self._mark_used([hit.chunk for hit in hits])
             self._counts["lookup_tokens"] += limit
             self._counts["hit_tokens"] += pos
             self._counts["hits" if pos else "misses"] += 1
@@ -258,12 +285,18 @@ class ChunkStore:
                     continue
                 key, offset, n = found
                 hits.append(ChunkHit(entry, pos, n, offset=offset, exact=False))
-                entry.hits += 1
-                entry.last_used = self._clock
+                self._mark_used([entry])
                 pos += n
                 previous = key if offset + n == entry.num_tokens else None
             self._counts["content_hit_tokens"] += sum(h.num_tokens for h in hits)
         return hits
+
+    def _mark_used(self, entries: list[StoredChunk]) -> None:
+        for entry in entries:
+            entry.hits += 1
+            entry.last_used = self._clock
+        if self._disk is not None and entries:
+            self._disk.touch([e.key for e in entries])  # recency of the disk copies, for every process
 
     def _continuation(self, previous: Key, ids: tuple[int, ...], pos: int):
         best = None
@@ -288,14 +321,19 @@ class ChunkStore:
         if key not in self._index:
             if not self._disk.has(key):  # another process may have written it since our last scan
                 return None
-            for record in self._disk.records({key}):
-                self._index_entry(record.key, record.parent, record.namespace, record.token_ids)
+            self._index_records(self._disk.records({key}))
+            if key not in self._index:
+                return None
         loaded = self._disk.read(key, namespace)
         if loaded is None:
             if not self._disk.has(key):
                 self._forget(key)  # deleted by the disk budget, another process, or corrupt
             return None
         entry = from_tensors(key, *loaded)
+        if not self.accepts(entry.bits):
+            # Replaced since it was indexed by a less precise entry (another store's): not for us.
+            self._forget(key, delete_files=False)
+            return None
         if self._make_room(entry.nbytes, protected):
             self._add_ram(entry)
         return entry
@@ -383,7 +421,9 @@ class ChunkStore:
                     added += 1
                 if entry is not None:
                     entry.last_used = self._clock
-                    entry.pinned = entry.pinned or pin
+                    if pin and not entry.pinned:
+                        entry.pinned = True
+                        self._write_disk(entry)  # the disk tier evicts pinned files last too
                 chain.add(key)
                 parent = key
         return added
@@ -404,19 +444,24 @@ class ChunkStore:
                 self._forget(key)
         self._add_ram(entry)
         self._counts["inserted"] += 1
-        if self._disk is not None:
-            tensors, metadata = to_tensors(entry)
-            if not self._disk.write(entry.key, tensors, metadata):
-                logger.warning("chunk of %d bytes does not fit in max_disk_bytes; kept in RAM only", entry.nbytes)
+        self._write_disk(entry)
+
+    def _write_disk(self, entry: StoredChunk) -> None:
+        if self._disk is None or self._read_only:
+            return
+        tensors, metadata = to_tensors(entry)
+        if not self._disk.write(entry.key, tensors, metadata):
+            logger.info("a %d-byte chunk is kept in RAM only (no room in max_disk_bytes without evicting its "
+                        "own chain, or its predecessor has no file)", entry.nbytes)
 
     def _add_ram(self, entry: StoredChunk) -> None:
-        self._index_entry(entry.key, entry.parent, entry.namespace, entry.token_ids)
+        self._index_entry(entry.key, entry.parent, entry.namespace, entry.token_ids, entry.bits)
         self._ram[entry.key] = entry
         self._bytes += entry.nbytes
 
-    def _index_entry(self, key: Key, parent: Key, namespace: Key, token_ids: tuple[int, ...]) -> None:
+    def _index_entry(self, key: Key, parent: Key, namespace: Key, token_ids: tuple[int, ...], bits=None) -> None:
         if key not in self._index:
-            self._index[key] = _IndexEntry(parent, namespace, token_ids)
+            self._index[key] = _IndexEntry(parent, namespace, token_ids, bits)
             self._children.setdefault(parent, {}).setdefault(token_ids[0], set()).add(key)
             for anchor in self._anchor_keys(namespace, token_ids):
                 self._anchors.setdefault(anchor[0], set()).add((key, anchor[1]))
@@ -429,8 +474,7 @@ class ChunkStore:
 
     def _value(self, entry: StoredChunk) -> float:
         """What keeping ``entry`` is worth per byte: hits x recompute cost, decayed by idle time."""
-        # Recomputing a chunk costs its tokens' MLP work plus attention over everything before it.
-        cost = entry.num_tokens * (1.0 + (entry.start + entry.num_tokens / 2) / 1024)
+        cost = recompute_cost(entry.start, entry.num_tokens)
         recency = 0.5 ** ((self._clock - entry.last_used) / self.recency_half_life)
         return (entry.hits + 1) * cost * recency / entry.nbytes
 
@@ -472,13 +516,14 @@ class ChunkStore:
         if self._disk is None or not self._disk.has(key):
             self._forget(key)  # gone from every tier: its successors are unreachable too
 
-    def _forget(self, key: Key) -> None:
-        """Drop ``key`` from every tier, and every chunk that descends from it."""
+    def _forget(self, key: Key, delete_files: bool = True) -> None:
+        """Drop ``key`` from every tier, and every chunk that descends from it (their files too,
+        unless ``delete_files`` is False: entries that are valid, just not for this store)."""
         index = self._index.pop(key, None)
         entry = self._ram.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
-        if self._disk is not None:
+        if self._disk is not None and delete_files:
             self._disk.remove(key)
         if index is not None:
             for anchor, offset in self._anchor_keys(index.namespace, index.token_ids):
@@ -497,7 +542,7 @@ class ChunkStore:
                 self._children.pop(index.parent, None)
         for group in list(self._children.get(key, {}).values()):
             for child in list(group):
-                self._forget(child)
+                self._forget(child, delete_files)
         self._children.pop(key, None)
 
     def _refresh_disk_index(self) -> None:
@@ -508,8 +553,13 @@ class ChunkStore:
         present = self._disk.keys()
         for key in [k for k in self._index if k not in present and k not in self._ram]:
             self._forget(key)
-        for record in self._disk.records({k for k in present if k not in self._index}):
-            self._index_entry(record.key, record.parent, record.namespace, record.token_ids)
+        self._index_records(self._disk.records({k for k in present if k not in self._index}))
+
+    def _index_records(self, records) -> None:
+        """Index disk entries precise enough for this store (others stay on disk for their stores)."""
+        for record in records:
+            if self.accepts(record.bits):
+                self._index_entry(record.key, record.parent, record.namespace, record.token_ids, record.bits)
 
     def clear(self) -> None:
         """Drop every RAM entry (the disk tier and counters are kept)."""

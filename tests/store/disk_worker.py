@@ -13,6 +13,18 @@ if mode == "generate":
     model = make_tiny("llama")
     enable_chunk_reuse(model, ChunkStore(max_bytes=50_000_000, chunk_size=8, disk_path=path))
     model.generate(random_ids(40, 1), max_new_tokens=5, do_sample=False)
+elif mode == "hang-in-write":
+    import os
+    import time
+
+    def stall(fd):  # the temporary file is written; the writer dies before the rename
+        time.sleep(600)
+
+    os.fsync = stall
+    store = ChunkStore(max_bytes=20_000, chunk_size=4, disk_path=path)
+    tokens = [1, 2, 3, 4]
+    t = torch.tensor(tokens, dtype=torch.float32).view(1, -1, 1)
+    store.insert(namespace_key({"model": "test"}), tokens, lambda s, e: ([t.expand(1, -1, 4).clone()], [t.expand(1, -1, 4).clone()]))
 elif mode == "hammer":
     worker = int(sys.argv[3])
     store = ChunkStore(max_bytes=20_000, chunk_size=4, disk_path=path, max_disk_bytes=60_000)

@@ -1,0 +1,85 @@
+"""How reuse attaches to a model: a subclass of its own class whose ``generate`` goes through reuse.
+
+``enable_chunk_reuse`` switches the instance's ``__class__`` to a subclass (same name, same
+module) that overrides ``generate`` and nothing else that runs. Keeping the override on a class
+rather than on the instance means nothing unpicklable sits in the instance ``__dict__``
+besides the reuse state, and that is left out when the model is copied or pickled:
+``copy.deepcopy(model)`` and ``torch.save(model)`` give (and store) the plain model, without
+reuse hooks, state or store. Reuse is not inherited by a copy; enable it on the copy if wanted.
+"""
+
+from __future__ import annotations
+
+import copyreg
+from collections import OrderedDict
+
+import torch
+
+from .state import STATE_ATTR, reuse_state
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+_subclasses: dict[type, type] = {}
+
+
+class ReuseGenerateMixin:
+    """Put first in the MRO of a model's class by :func:`attach`: ``generate`` with chunk reuse."""
+
+    _kvboost_base: type
+
+    def generate(self, *args, **kwargs):
+        from .generate import generate_with_reuse  # noqa: PLC0415 - generate imports reuse machinery
+
+        return generate_with_reuse(self, super().generate, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        """Copy and pickle as the plain model class: no reuse state, hooks or store.
+
+        ``copyreg._reconstructor`` is what protocol 0/1 pickles use for any object; unlike
+        ``__newobj__`` it may build another class than ``type(self)``, and loading the pickle
+        needs only the model's own class, not kvboost_hf.
+        """
+        return copyreg._reconstructor, (self._kvboost_base, object, None), plain_state(self)
+
+
+def plain_state(model: torch.nn.Module) -> dict:
+    """``model.__getstate__()`` without what reuse added (its state and its forward hooks)."""
+    state = model.__getstate__()
+    reuse = state.pop(STATE_ATTR, None)
+    hook_ids = {handle.id for handle in reuse.hooks} if reuse is not None else set()
+    for name in _HOOK_DICTS:
+        hooks = state.get(name)
+        if hooks and hook_ids & set(hooks):
+            state[name] = OrderedDict((k, v) for k, v in hooks.items() if k not in hook_ids)
+    return state
+
+
+def attach(model: torch.nn.Module) -> type:
+    """Give ``model`` the reuse subclass of its class; returns the original class."""
+    base = type(model)
+    if isinstance(model, ReuseGenerateMixin):
+        return model._kvboost_base
+    if base not in _subclasses:
+        _subclasses[base] = type(
+            base.__name__,
+            (ReuseGenerateMixin, base),
+            {"__module__": base.__module__, "__qualname__": base.__qualname__, "_kvboost_base": base},
+        )
+    model.__class__ = _subclasses[base]
+    return base
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Undo :func:`attach`."""
+    if isinstance(model, ReuseGenerateMixin):
+        model.__class__ = model._kvboost_base
+
+
+def has_reuse_class(model: torch.nn.Module) -> bool:
+    return isinstance(model, ReuseGenerateMixin) and reuse_state(model) is not None

@@ -1,0 +1,143 @@
+"""What the model namespace sees: every weight byte, edits through ``.data``, copies and pickles of a model."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+from kvboost_hf import (
+    ChunkStore,
+    disable_chunk_reuse,
+    enable_chunk_reuse,
+    is_chunk_reuse_enabled,
+    last_request_stats,
+    refresh_namespace,
+)
+from kvboost_hf.state import namespace
+from tests.conftest import make_tiny, random_ids
+
+GREEDY = dict(max_new_tokens=8, do_sample=False)
+
+
+def prompt(seed: int = 3) -> torch.Tensor:
+    return random_ids(40, seed)
+
+
+def reuse_run(model, store, ids, **kw):
+    enable_chunk_reuse(model, store)
+    out = model.generate(ids, **GREEDY, **kw)
+    return out, last_request_stats(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_models_differing_only_in_unsampled_elements_do_not_share_kv(family):
+    a = make_tiny(family)
+    b = copy.deepcopy(a)
+    with torch.no_grad():  # the review's repro: every other element of one projection
+        b.model.layers[0].self_attn.v_proj.weight.view(-1)[1::2] *= -20
+    ids = prompt()
+    ref_b = b.generate(ids, **GREEDY)
+    store = ChunkStore(max_bytes=10**8, chunk_size=8)
+    reuse_run(a, store, ids)
+    out_b, stats = reuse_run(b, store, ids)
+    assert stats.reused_tokens == 0
+    assert torch.equal(out_b, ref_b)
+
+
+def test_one_element_and_one_buffer_change_the_namespace():
+    a = make_tiny("llama")
+    base = namespace(a)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.model.layers[1].mlp.down_proj.weight[7, 3] += 1e-3
+    assert namespace(b) != base
+    c = copy.deepcopy(a)
+    c.model.rotary_emb.inv_freq.mul_(1.0001)  # a buffer: RoPE frequencies
+    assert namespace(c) != base
+
+
+def test_whole_tensor_edit_through_data_is_noticed():
+    model = make_tiny("llama")
+    ids = prompt()
+    store = ChunkStore(max_bytes=10**8, chunk_size=8)
+    reuse_run(model, store, ids)
+    model.model.layers[0].self_attn.k_proj.weight.data.mul_(1.5)  # bypasses the version counter
+    out, stats = reuse_run(model, store, ids)
+    disable_chunk_reuse(model)
+    assert stats.reused_tokens == 0
+    assert torch.equal(out, model.generate(ids, **GREEDY))
+
+
+def test_refresh_namespace_covers_edits_the_per_request_check_cannot_see():
+    model = make_tiny("llama")
+    ids = prompt()
+    store = ChunkStore(max_bytes=10**8, chunk_size=8)
+    reuse_run(model, store, ids)
+    before = namespace(model)
+    model.model.layers[0].self_attn.v_proj.weight.data[5, 7] += 3.0  # one unsampled element, no version bump
+    assert namespace(model) == before  # the documented limit of the per-request check
+    assert refresh_namespace(model) != before
+    out, stats = reuse_run(model, store, ids)
+    disable_chunk_reuse(model)
+    assert stats.reused_tokens == 0
+    assert torch.equal(out, model.generate(ids, **GREEDY))
+
+
+def test_namespace_is_memoised_per_model_state():
+    model = make_tiny("llama")
+    first = namespace(model)
+    assert namespace(model) is first  # no rehash while nothing changed
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    assert namespace(model) != first
+
+
+def test_weights_on_the_meta_device_step_aside_with_a_reason():
+    model = make_tiny("llama")
+    enable_chunk_reuse(model, ChunkStore(max_bytes=10**8, chunk_size=8))
+    model.register_buffer("offloaded", torch.empty(4, device="meta"))
+    out = model.generate(prompt(), **GREEDY)
+    stats = last_request_stats(model)
+    assert "fingerprinted" in stats.reason and stats.reused_tokens == 0 and stats.stored_chunks == 0
+    assert out.shape[1] == prompt().shape[1] + 8
+
+
+# ---------------------------------------------------------------------- copies and pickles
+def test_deepcopy_of_an_enabled_model_is_a_plain_model():
+    model = make_tiny("llama")
+    cls = type(model)
+    store = ChunkStore(max_bytes=10**8, chunk_size=8)
+    enable_chunk_reuse(model, store)
+    ids = prompt()
+    model.generate(ids, **GREEDY)
+    twin = copy.deepcopy(model)
+    assert type(twin) is cls and not is_chunk_reuse_enabled(twin)
+    assert not twin._forward_pre_hooks and not twin._forward_hooks
+    inserted = store.stats()["inserted"]
+    assert torch.equal(twin.generate(ids, **GREEDY), model.generate(ids, **GREEDY))
+    assert store.stats()["inserted"] == inserted  # the copy did not touch the original's store
+    enable_chunk_reuse(twin, store)  # it can be enabled on its own
+    twin.generate(ids, **GREEDY)
+    assert last_request_stats(twin).reused_tokens == ids.shape[1] - 1
+    assert is_chunk_reuse_enabled(model) and type(model) is not cls
+
+
+def test_torch_save_and_pickle_of_an_enabled_model_give_the_plain_model():
+    model = make_tiny("qwen2")
+    enable_chunk_reuse(model, ChunkStore(max_bytes=10**8, chunk_size=8))
+    ids = prompt()
+    ref = model.generate(ids, **GREEDY)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    unpickled = pickle.loads(pickle.dumps(model))
+    for other in (loaded, unpickled):
+        assert type(other) is type(model).__mro__[2] and not is_chunk_reuse_enabled(other)
+        assert torch.equal(other.generate(ids, **GREEDY), ref)
+    disable_chunk_reuse(model)
+    assert type(model) is type(loaded)
