@@ -31,6 +31,7 @@ from .errors import APIError, install_error_handlers
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
 from .metrics import ServerMetrics
 from .scheduler import GenerationQueue, Job, QueueFullError
+from .streaming_metrics import StreamingCollector, streaming_snapshot
 from .settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         disable_chunk_reuse(model)
     queue = GenerationQueue(settings.max_queue, workers=settings.workers)
     metrics = ServerMetrics(store_bytes=lambda: store.nbytes, queue_depth=lambda: queue.depth)
+    if streaming_snapshot(model) is not None:  # AWQ layer streaming: its counters on /metrics too
+        metrics.registry.register(StreamingCollector(model))
     service = _Service(model, tokenizer, store, settings, queue, metrics)
 
     @asynccontextmanager
@@ -194,6 +197,7 @@ class _Service:
             "queue": {"waiting": self.queue.waiting, "running": self.queue.running, "depth": self.queue.depth,
                       "max_queue": self.queue.max_queue, "workers": self.queue.workers},
             **self.metrics.snapshot(),
+            **({"streaming": streaming} if (streaming := streaming_snapshot(self.model)) is not None else {}),
         }
 
     def check_prompt_length(self, n: int) -> None:

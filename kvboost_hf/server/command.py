@@ -54,6 +54,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests generated at once, one model.generate each (default: the CPU cores)")
     limits.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default on CPU: cores // workers, i.e. 1 per worker)")
+    awq = parser.add_argument_group("AWQ layer streaming (--model must be an AutoAWQ GEMM checkpoint)")
+    awq.add_argument("--awq-streaming", default=None,
+                     choices=["full_resident", "partial_resident", "ffn_only_stream", "full_stream"],
+                     help="load --model with StreamingAWQConfig in this residency mode (default: plain float load)")
+    awq.add_argument("--keep-first-k", type=int, default=2, help="resident first decoder layers (default 2)")
+    awq.add_argument("--keep-last-k", type=int, default=2, help="resident last decoder layers (default 2)")
+    awq.add_argument("--staging-slots", type=int, default=2, help="streamed layers materialised at once (default 2)")
+    awq.add_argument("--awq-host", choices=["ram", "mmap"], default="ram",
+                     help="where streamed weights live: host RAM, or a converted file mapped from disk")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -125,6 +134,25 @@ def worker_settings(args: argparse.Namespace, device: str) -> dict:
     return {"workers": workers, "torch_threads": threads}
 
 
+def load_served_model(args: argparse.Namespace):
+    """``(model, tokenizer)``: a plain load, or an AWQ-streamed one with ``--awq-streaming``. Raises ServeError."""
+    from ..models import load_model
+
+    if getattr(args, "awq_streaming", None) is None:
+        return load_model(args.model)
+    if args.model is None:
+        raise ServeError("--awq-streaming needs --model PATH of an AutoAWQ GEMM checkpoint (see kvboost-hf awq-pack)")
+    from ..streaming import StreamingAWQConfig, load_awq_model
+
+    try:
+        config = StreamingAWQConfig(residency_mode=args.awq_streaming, keep_first_k=args.keep_first_k,
+                                    keep_last_k=args.keep_last_k, n_staging_slots=args.staging_slots,
+                                    host=args.awq_host)
+        return load_awq_model(args.model, config)
+    except ValueError as err:
+        raise ServeError(f"--awq-streaming: {err}") from err
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model, build the store and app, warm, and run uvicorn until interrupted."""
     try:
@@ -134,7 +162,6 @@ def serve(args: argparse.Namespace) -> int:
         from .settings import ServerSettings
     except ImportError as err:
         raise ServeError(f"the server needs its extra: pip install 'kvboost_hf[server]' ({err})") from err
-    from ..models import load_model
 
     store = build_store(args)
     model_device = "cpu"  # load_model keeps the model on the CPU
@@ -155,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise ServeError(str(err)) from err
     logger.info("loading %s", args.model or "the embedded Gemma-3-270M")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_served_model(args)
     try:
         app = create_app(model, tokenizer, store, settings)
     except ValueError as err:

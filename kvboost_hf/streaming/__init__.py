@@ -18,6 +18,8 @@ small compatibility wrapper described in :mod:`kvboost_hf.streaming.compat`.
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 from . import compat
@@ -50,6 +52,15 @@ def streaming_stats(model: nn.Module) -> StreamingStats:
     return runtime.stats.snapshot()
 
 
+def load_awq_model(path: str | os.PathLike, config: StreamingAWQConfig, **kwargs):
+    """``(model, tokenizer)`` for an AutoAWQ GEMM checkpoint directory, loaded with ``config``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **kwargs)
+    return model.eval(), tokenizer
+
+
 def reset_streaming_stats(model: nn.Module) -> None:
     """Zero the counters (not the configuration figures)."""
     runtime = _runtime(model)
@@ -65,6 +76,7 @@ __all__ = [
     "StreamingAWQQuantizer",
     "StreamingStats",
     "is_streaming_model",
+    "load_awq_model",
     "reset_streaming_stats",
     "streaming_stats",
 ]
