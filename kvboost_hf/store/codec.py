@@ -1,4 +1,4 @@
-"""How a chunk's K/V are held at rest: dense, or KIVI-quantized with full-precision sink tokens."""
+"""How a chunk's K/V are held at rest (dense, or KIVI-quantized with full-precision sink tokens), and a hit on one."""
 
 from __future__ import annotations
 
@@ -81,6 +81,33 @@ class StoredChunk:
             k = torch.cat([self.sink_keys[layer], k], dim=1)
             v = torch.cat([self.sink_values[layer], v], dim=1)
         return k[:, offset : offset + n, :], v[:, offset : offset + n, :]
+
+
+@dataclass(frozen=True)
+class ChunkHit:
+    """Tokens ``[offset, offset + num_tokens)`` of ``chunk`` reused at prompt position ``start``.
+
+    ``exact`` hits sit behind exactly the tokens they were computed after (prefix hits);
+    content hits (``exact=False``) were computed elsewhere and must be moved and repaired.
+    """
+
+    chunk: StoredChunk
+    start: int
+    num_tokens: int
+    offset: int = 0
+    exact: bool = True
+
+    @property
+    def exact_tokens(self) -> int:
+        return self.chunk.exact_tokens(self.num_tokens) if self.exact else 0
+
+    @property
+    def source_start(self) -> int:
+        """Position at which the reused tokens were computed."""
+        return self.chunk.start + self.offset
+
+    def layer_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chunk.layer_states(layer, self.num_tokens, self.offset)
 
 
 def encode_chunk(

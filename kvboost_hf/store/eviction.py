@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .codec import StoredChunk
 
 Key = bytes
 
@@ -103,3 +107,27 @@ def choose_victims(candidates: Sequence[Candidate], need: int, keep: Iterable[Ke
             return None
         drop(best.key)
     return victims
+
+
+def ram_value(entry: StoredChunk, clock: int, half_life: int) -> float:
+    """What keeping a RAM entry is worth per byte: (hits + 1) x recompute cost, halved every ``half_life`` idle ops."""
+    recency = 0.5 ** ((clock - entry.last_used) / half_life)
+    return (entry.hits + 1) * recompute_cost(entry.start, entry.num_tokens) * recency / entry.nbytes
+
+
+def ram_victim(entries: Iterable[StoredChunk], protected: set[Key], clock: int, half_life: int) -> StoredChunk | None:
+    """The RAM entry to evict next: leaves before chunks with a successor in RAM, pinned last, lowest value first.
+
+    A chunk whose successor stays in RAM may still go when the successor's file keeps the chain
+    reachable from disk; the store forgets successors that end up unreachable.
+    """
+    entries = list(entries)
+    has_ram_child = {e.parent for e in entries}
+    best, best_rank = None, None
+    for entry in entries:
+        if entry.key in protected:
+            continue
+        rank = (entry.pinned, entry.key in has_ram_child, ram_value(entry, clock, half_life))
+        if best_rank is None or rank < best_rank:
+            best, best_rank = entry, rank
+    return best

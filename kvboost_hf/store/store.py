@@ -6,13 +6,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from .codec import ENTRY_OVERHEAD_BYTES, StoredChunk, encode_chunk, from_tensors, to_tensors
+from .codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk, from_tensors, to_tensors
 from .disk import DiskTier
-from .eviction import recompute_cost
+from .eviction import ram_victim
+from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry
 from .keys import Key, chunk_key, segment_spans
 from .quant import SUPPORTED_BITS, default_group_size
 
@@ -24,60 +24,8 @@ LayerStates = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Per-layer keys and values of one chunk, each ``[num_kv_heads, num_tokens, head_dim]``."""
 
 
-# Content lookups anchor on this many tokens at the start of every stored chunk (and one token
-# later, so a tokenizer that merges a document's first token with the text before it costs
-# only that token).
-ANCHOR_TOKENS = 8
-ANCHOR_OFFSETS = (0, 1)
-
-
-@dataclass(frozen=True)
-class ChunkHit:
-    """Tokens ``[offset, offset + num_tokens)`` of ``chunk`` reused at prompt position ``start``.
-
-    ``exact`` hits sit behind exactly the tokens they were computed after (prefix hits);
-    content hits (``exact=False``) were computed elsewhere and must be moved and repaired.
-    """
-
-    chunk: StoredChunk
-    start: int
-    num_tokens: int
-    offset: int = 0
-    exact: bool = True
-
-    @property
-    def exact_tokens(self) -> int:
-        return self.chunk.exact_tokens(self.num_tokens) if self.exact else 0
-
-    @property
-    def source_start(self) -> int:
-        """Position at which the reused tokens were computed."""
-        return self.chunk.start + self.offset
-
-    def layer_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.chunk.layer_states(layer, self.num_tokens, self.offset)
-
-
-@dataclass
-class _IndexEntry:
-    """A known chunk in any tier: enough to walk chains and match tokens without its tensors."""
-
-    parent: Key
-    namespace: Key
-    token_ids: tuple[int, ...]
-    bits: int | None = None
-
-
 def _precision_rank(bits: int | None) -> int:
     return 1 << 30 if bits is None else bits
-
-
-def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> int | None:
@@ -154,9 +102,7 @@ class ChunkStore:
         self._read_only = bool(read_only)
         self._lock = threading.RLock()
         self._ram: dict[Key, StoredChunk] = {}
-        self._index: dict[Key, _IndexEntry] = {}  # every known chunk, RAM or disk
-        self._children: dict[Key, dict[int, set[Key]]] = {}  # parent -> first token -> keys
-        self._anchors: dict[tuple, set[tuple[Key, int]]] = {}  # (namespace, tokens) -> (key, offset)
+        self._index = ChunkIndex()  # every known chunk, RAM or disk
         self._bytes = 0
         self._clock = 0
         self._counts = dict.fromkeys(
@@ -245,7 +191,7 @@ class ChunkStore:
                 self._refresh_disk_index()
             pos = 0
             chain: set[Key] = set()
-            for key, used in self._match_path(namespace, tuple(token_ids[:limit]), 0, [64]):
+            for key, used in self._index.match_path(namespace, tuple(token_ids[:limit]), self.chunk_size):
                 entry = self._fetch(key, namespace, chain)
                 if entry is None:
                     break
@@ -276,9 +222,9 @@ class ChunkStore:
                 self._refresh_disk_index()
             pos, previous = start, None
             while pos < stop:
-                found = self._continuation(previous, ids, pos) if previous is not None else None
+                found = self._index.continuation(previous, ids, pos) if previous is not None else None
                 if found is None and pos + ANCHOR_TOKENS <= stop:
-                    found = self._anchored(namespace, ids, pos, min_tokens)
+                    found = self._index.anchored(namespace, ids, pos, min_tokens)
                 entry = self._fetch(found[0], namespace, {h.chunk.key for h in hits}) if found else None
                 if entry is None:
                     pos, previous = pos + 1, None
@@ -297,22 +243,6 @@ class ChunkStore:
             entry.last_used = self._clock
         if self._disk is not None and entries:
             self._disk.touch([e.key for e in entries])  # recency of the disk copies, for every process
-
-    def _continuation(self, previous: Key, ids: tuple[int, ...], pos: int):
-        best = None
-        for key in self._children.get(previous, {}).get(ids[pos], ()):
-            n = _common_prefix_length(self._index[key].token_ids, ids[pos:])
-            if best is None or n > best[2]:
-                best = (key, 0, n)
-        return best
-
-    def _anchored(self, namespace: Key, ids: tuple[int, ...], pos: int, min_tokens: int):
-        best = None
-        for key, offset in self._anchors.get((namespace, ids[pos : pos + ANCHOR_TOKENS]), ()):
-            n = _common_prefix_length(self._index[key].token_ids[offset:], ids[pos:])
-            if n >= min(min_tokens, len(self._index[key].token_ids) - offset) and (best is None or n > best[2]):
-                best = (key, offset, n)
-        return best
 
     def _fetch(self, key: Key, namespace: Key, protected: set[Key]) -> StoredChunk | None:
         entry = self._ram.get(key)
@@ -337,46 +267,6 @@ class ChunkStore:
         if self._make_room(entry.nbytes, protected):
             self._add_ram(entry)
         return entry
-
-    def _match_path(self, parent: Key, ids: tuple[int, ...], pos: int, budget: list[int]) -> list[tuple[Key, int]]:
-        """The chain of known chunks after ``parent`` covering the most of ``ids[pos:]``.
-
-        Chunkings differ between sequences (segment boundaries), so where several stored
-        chunks match a position, each complete match is followed and the longest total wins
-        (at most ``budget[0]`` branch explorations per lookup).
-        """
-        path: list[tuple[Key, int]] = []
-        size, limit = self.chunk_size, len(ids)
-        while pos < limit:
-            key = chunk_key(parent, ids[pos : pos + size]) if pos + size <= limit else None
-            if key is not None and key in self._index:
-                path.append((key, size))
-                parent, pos = key, pos + size
-                continue
-            candidates = []
-            for child in self._children.get(parent, {}).get(ids[pos], ()):
-                tokens = self._index[child].token_ids
-                n = _common_prefix_length(tokens, ids[pos:])
-                candidates.append((n == len(tokens) and pos + n < limit, n, child))
-            if not candidates:
-                break
-            candidates.sort(key=lambda c: c[1], reverse=True)
-            if len(candidates) == 1 or budget[0] <= 0:
-                follow, n, child = candidates[0]
-                path.append((child, n))
-                if not follow:
-                    break
-                parent, pos = child, pos + n
-                continue
-            best: list[tuple[Key, int]] = []
-            for follow, n, child in candidates:
-                budget[0] -= 1
-                option = [(child, n)] + (self._match_path(child, ids, pos + n, budget) if follow else [])
-                if sum(u for _, u in option) > sum(u for _, u in best):
-                    best = option
-            path.extend(best)
-            break
-        return path
 
     # ------------------------------------------------------------------ updates
     def insert(
@@ -409,7 +299,7 @@ class ChunkStore:
                 key = chunk_key(parent, toks)
                 entry = self._ram.get(key)
                 if entry is None and key not in self._index:
-                    if end == len(token_ids) and self._has_longer_sibling(parent, toks):
+                    if end == len(token_ids) and self._index.has_longer_sibling(parent, toks):
                         break  # a stored chunk already covers this final partial one
                     keys, values = states(start, end)
                     group = self.group_size or default_group_size(keys[0].shape[-1])
@@ -428,18 +318,11 @@ class ChunkStore:
                 parent = key
         return added
 
-    def _has_longer_sibling(self, parent: Key, toks: tuple[int, ...]) -> bool:
-        for key in self._children.get(parent, {}).get(toks[0], ()):
-            other = self._index[key].token_ids
-            if len(other) >= len(toks) and other[: len(toks)] == toks:
-                return True
-        return False
-
     def _add(self, entry: StoredChunk) -> None:
         # A new chunk supersedes any stored partial sibling that is a prefix of it.
-        for key in list(self._children.get(entry.parent, {}).get(entry.token_ids[0], ())):
-            other = self._index[key].token_ids
-            is_leaf = not self._children.get(key)
+        for key in self._index.siblings(entry.parent, entry.token_ids[0]):
+            other = self._index.get(key).token_ids
+            is_leaf = not self._index.has_children(key)
             if is_leaf and len(other) < entry.num_tokens and entry.token_ids[: len(other)] == other:
                 self._forget(key)
         self._add_ram(entry)
@@ -455,28 +338,9 @@ class ChunkStore:
                         "own chain, or its predecessor has no file)", entry.nbytes)
 
     def _add_ram(self, entry: StoredChunk) -> None:
-        self._index_entry(entry.key, entry.parent, entry.namespace, entry.token_ids, entry.bits)
+        self._index.add(entry.key, IndexEntry(entry.parent, entry.namespace, entry.token_ids, entry.bits))
         self._ram[entry.key] = entry
         self._bytes += entry.nbytes
-
-    def _index_entry(self, key: Key, parent: Key, namespace: Key, token_ids: tuple[int, ...], bits=None) -> None:
-        if key not in self._index:
-            self._index[key] = _IndexEntry(parent, namespace, token_ids, bits)
-            self._children.setdefault(parent, {}).setdefault(token_ids[0], set()).add(key)
-            for anchor in self._anchor_keys(namespace, token_ids):
-                self._anchors.setdefault(anchor[0], set()).add((key, anchor[1]))
-
-    @staticmethod
-    def _anchor_keys(namespace: Key, token_ids: tuple[int, ...]):
-        for offset in ANCHOR_OFFSETS:
-            if len(token_ids) >= offset + ANCHOR_TOKENS:
-                yield (namespace, token_ids[offset : offset + ANCHOR_TOKENS]), offset
-
-    def _value(self, entry: StoredChunk) -> float:
-        """What keeping ``entry`` is worth per byte: hits x recompute cost, decayed by idle time."""
-        cost = recompute_cost(entry.start, entry.num_tokens)
-        recency = 0.5 ** ((self._clock - entry.last_used) / self.recency_half_life)
-        return (entry.hits + 1) * cost * recency / entry.nbytes
 
     def _make_room(self, nbytes: int, protected: set[Key]) -> bool:
         if nbytes > self.max_bytes:
@@ -487,7 +351,7 @@ class ChunkStore:
             )
             return False
         while self._bytes + nbytes > self.max_bytes:
-            victim = self._pick_victim(protected)
+            victim = ram_victim(self._ram.values(), protected, self._clock, self.recency_half_life)
             if victim is None:
                 self._counts["rejected"] += 1
                 return False
@@ -496,18 +360,6 @@ class ChunkStore:
                 logger.warning("evicting a pinned chunk: the pinned entries alone exceed max_bytes")
             self._evict_ram(victim.key)
         return True
-
-    def _pick_victim(self, protected: set[Key]) -> StoredChunk | None:
-        has_ram_child = {e.parent for e in self._ram.values()}
-        best, best_rank = None, None
-        for entry in self._ram.values():
-            if entry.key in protected:
-                continue
-            # Leaves first (cutting a chain from its tail keeps the rest reachable), pinned last.
-            rank = (entry.pinned, entry.key in has_ram_child, self._value(entry))
-            if best_rank is None or rank < best_rank:
-                best, best_rank = entry, rank
-        return best
 
     def _evict_ram(self, key: Key) -> None:
         entry = self._ram.pop(key)
@@ -519,31 +371,13 @@ class ChunkStore:
     def _forget(self, key: Key, delete_files: bool = True) -> None:
         """Drop ``key`` from every tier, and every chunk that descends from it (their files too,
         unless ``delete_files`` is False: entries that are valid, just not for this store)."""
-        index = self._index.pop(key, None)
         entry = self._ram.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
         if self._disk is not None and delete_files:
             self._disk.remove(key)
-        if index is not None:
-            for anchor, offset in self._anchor_keys(index.namespace, index.token_ids):
-                group = self._anchors.get(anchor)
-                if group is not None:
-                    group.discard((key, offset))
-                    if not group:
-                        del self._anchors[anchor]
-            by_first = self._children.get(index.parent, {})
-            group = by_first.get(index.token_ids[0])
-            if group is not None:
-                group.discard(key)
-                if not group:
-                    del by_first[index.token_ids[0]]
-            if not by_first:
-                self._children.pop(index.parent, None)
-        for group in list(self._children.get(key, {}).values()):
-            for child in list(group):
-                self._forget(child, delete_files)
-        self._children.pop(key, None)
+        for child in self._index.remove(key):
+            self._forget(child, delete_files)
 
     def _refresh_disk_index(self) -> None:
         stamp = self._disk.stamp()
@@ -559,7 +393,7 @@ class ChunkStore:
         """Index disk entries precise enough for this store (others stay on disk for their stores)."""
         for record in records:
             if self.accepts(record.bits):
-                self._index_entry(record.key, record.parent, record.namespace, record.token_ids, record.bits)
+                self._index.add(record.key, IndexEntry(record.parent, record.namespace, record.token_ids, record.bits))
 
     def clear(self) -> None:
         """Drop every RAM entry (the disk tier and counters are kept)."""
