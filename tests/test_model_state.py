@@ -60,31 +60,35 @@ def test_one_element_and_one_buffer_change_the_namespace():
     assert namespace(c) != base
 
 
-def test_whole_tensor_edit_through_data_is_noticed():
+def rerun_after(edit) -> tuple:
+    """Stats of a repeated request after ``edit(model)``, and whether its output equals plain generate."""
     model = make_tiny("llama")
     ids = prompt()
     store = ChunkStore(max_bytes=10**8, chunk_size=8)
     reuse_run(model, store, ids)
-    model.model.layers[0].self_attn.k_proj.weight.data.mul_(1.5)  # bypasses the version counter
+    edit(model)
     out, stats = reuse_run(model, store, ids)
     disable_chunk_reuse(model)
-    assert stats.reused_tokens == 0
-    assert torch.equal(out, model.generate(ids, **GREEDY))
+    return stats, torch.equal(out, model.generate(ids, **GREEDY))
+
+
+def test_whole_tensor_edit_through_data_is_noticed():
+    def edit(model):
+        model.model.layers[0].self_attn.k_proj.weight.data.mul_(1.5)  # bypasses the version counter
+
+    stats, same_as_plain = rerun_after(edit)
+    assert stats.reused_tokens == 0 and same_as_plain
 
 
 def test_refresh_namespace_covers_edits_the_per_request_check_cannot_see():
-    model = make_tiny("llama")
-    ids = prompt()
-    store = ChunkStore(max_bytes=10**8, chunk_size=8)
-    reuse_run(model, store, ids)
-    before = namespace(model)
-    model.model.layers[0].self_attn.v_proj.weight.data[5, 7] += 3.0  # one unsampled element, no version bump
-    assert namespace(model) == before  # the documented limit of the per-request check
-    assert refresh_namespace(model) != before
-    out, stats = reuse_run(model, store, ids)
-    disable_chunk_reuse(model)
-    assert stats.reused_tokens == 0
-    assert torch.equal(out, model.generate(ids, **GREEDY))
+    def edit(model):
+        before = namespace(model)
+        model.model.layers[0].self_attn.v_proj.weight.data[5, 7] += 3.0  # one unsampled element, no version bump
+        assert namespace(model) == before  # the documented limit of the per-request check
+        assert refresh_namespace(model) != before
+
+    stats, same_as_plain = rerun_after(edit)
+    assert stats.reused_tokens == 0 and same_as_plain
 
 
 def test_namespace_is_memoised_per_model_state():
