@@ -13,93 +13,23 @@ the directory applies it alike.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from filelock import FileLock
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
+from .entry_bytes import CorruptEntry, DiskRecord, decode_entry, encode_entry, read_header, record_of
 from .eviction import DISK_HALF_LIFE_S, Candidate, choose_victims, recompute_cost
-from .keys import Key, chunk_key
+from .keys import Key
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "kvboost-chunk-1"
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
-
-
-class CorruptEntry(Exception):
-    """A disk entry failed verification."""
-
-
-@dataclass
-class DiskRecord:
-    """What the store needs to know about a chunk on disk without loading its tensors."""
-
-    key: Key
-    parent: Key
-    namespace: Key
-    token_ids: tuple[int, ...]
-    nbytes: int
-    start: int = 0
-    bits: int | None = None  # storage precision: None = the model's own dtype (lossless)
-    pinned: bool = False
-
-
-def precision_of(metadata: dict[str, str]) -> int | None:
-    """Storage bits of an entry from its metadata (None: lossless)."""
-    if "kv_bits" in metadata:
-        return None if metadata["kv_bits"] == "none" else int(metadata["kv_bits"])
-    quantized = json.loads(metadata.get("quantized") or "{}")  # files written before kv_bits existed
-    return min((spec[0] for spec in quantized.values()), default=None)
-
-
-def _record(key: Key, meta: dict[str, str], nbytes: int) -> DiskRecord:
-    """The record of a file named by ``key``; CorruptEntry unless its header names the same key."""
-    if meta.get("format") != FORMAT or meta.get("key") != key.hex():
-        raise CorruptEntry("wrong format, or the file holds another entry than its name says")
-    parent, tokens = bytes.fromhex(meta["parent"]), tuple(json.loads(meta["tokens"]))
-    if not tokens or chunk_key(parent, tokens) != key:
-        raise CorruptEntry("key does not match its parent and tokens")
-    return DiskRecord(
-        key=key, parent=parent, namespace=bytes.fromhex(meta["namespace"]), token_ids=tokens, nbytes=nbytes,
-        start=int(meta.get("start", 0)), bits=precision_of(meta), pinned=meta.get("pinned") == "1",
-    )
-
-
-def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    for name in sorted(metadata):
-        if name != "checksum":
-            h.update(f"{name}={metadata[name]}".encode())
-    return h.hexdigest()
-
-
-def _read_header(data: bytes) -> dict:
-    if len(data) < 8:
-        raise CorruptEntry("file shorter than its header")
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise CorruptEntry("header length out of range")
-    try:
-        return json.loads(data[8 : 8 + n])
-    except ValueError as err:
-        raise CorruptEntry(f"unreadable header: {err}") from err
 
 
 class DiskTier:
@@ -148,9 +78,7 @@ class DiskTier:
         parent = bytes.fromhex(metadata["parent"])
         if self.read_only or (metadata["parent"] != metadata["namespace"] and not self.has(parent)):
             return 0
-        metadata = dict(metadata, format=FORMAT, key=key.hex())
-        metadata["checksum"] = _checksum(tensors, metadata)
-        data = save_safetensors({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+        data = encode_entry(key, tensors, metadata)
         if len(data) > self.max_bytes:
             return 0
         target = self.file_for(key)
@@ -230,15 +158,8 @@ class DiskTier:
         except FileNotFoundError:
             return None
         try:
-            metadata = _read_header(data).get("__metadata__") or {}
-            _record(key, metadata, len(data))
-            try:
-                tensors = load_safetensors(data)
-            except Exception as err:  # safetensors raises its own error types on bad payloads
-                raise CorruptEntry(f"unreadable tensors: {err}") from err
-            if _checksum(tensors, metadata) != metadata.get("checksum"):
-                raise CorruptEntry("checksum mismatch")
-        except (CorruptEntry, KeyError, ValueError) as err:
+            tensors, metadata = decode_entry(key, data)
+        except CorruptEntry as err:
             self.drop_corrupt(target, key, str(err))
             return None
         if metadata["namespace"] != namespace.hex():
@@ -294,8 +215,8 @@ class DiskTier:
                     n = int.from_bytes(head, "little") if len(head) == 8 else -1
                     if n <= 0 or n > 100_000_000:
                         raise CorruptEntry("bad header length")
-                    header = _read_header(head + f.read(n))
-                record = _record(key, header.get("__metadata__") or {}, st.st_size)
+                    header = read_header(head + f.read(n))
+                record = record_of(key, header.get("__metadata__") or {}, st.st_size)
                 self._headers[key] = (ident, record)
                 out.append(record)
             except FileNotFoundError:
