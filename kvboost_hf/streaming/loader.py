@@ -205,4 +205,15 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     )
     runtime = StreamingRuntime(streamer, stats, source)
     runtime.attach(model)
+    _return_freed_memory()
     return runtime
+
+
+def _return_freed_memory() -> None:
+    """Hand conversion temporaries back to the OS (glibc keeps freed heap memory otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -45,15 +45,16 @@ class HostSource:
         return sum(self.nbytes(n) for n in self._tensors)
 
     def copy_into(self, name: str, dst: torch.Tensor, non_blocking: bool = False) -> int:
-        """Copy tensor ``name`` into ``dst``; sleep to honour the throttle. Returns bytes moved."""
-        start = time.perf_counter()
+        """Copy tensor ``name`` into ``dst``. Returns bytes moved."""
         dst.copy_(self._tensors[name], non_blocking=non_blocking)
-        nbytes = self.nbytes(name)
+        return self.nbytes(name)
+
+    def throttle(self, nbytes: int, started: float) -> None:
+        """Benchmarks: sleep until ``nbytes`` took ``nbytes / throttle_bytes_per_s`` since ``started``."""
         if self.throttle_bytes_per_s:
-            remaining = nbytes / self.throttle_bytes_per_s - (time.perf_counter() - start)
+            remaining = nbytes / self.throttle_bytes_per_s - (time.perf_counter() - started)
             if remaining > 0:
                 time.sleep(remaining)
-        return nbytes
 
 
 class RamSource(HostSource):

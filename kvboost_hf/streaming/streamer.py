@@ -120,6 +120,7 @@ class LayerStreamer:
         else:
             for name, _ in self.streamed[layer]:
                 moved += self.source.copy_into(name, self._buffer(slot, name))
+        self.source.throttle(moved, start)  # one sleep per layer (benchmarks only)
         self.stats.add(loads=1, bytes_moved=moved, load_ms=(time.perf_counter() - start) * 1000)
 
     def _worker(self) -> None:
