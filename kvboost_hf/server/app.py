@@ -78,6 +78,7 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
             yield
         finally:
             queue.stop()
+            store.flush(timeout_s=5.0)  # chunks still queued for a shared remote tier
             torch.set_num_threads(threads_before)
 
     app = FastAPI(title="kvboost-hf", summary="OpenAI-compatible server with cross-request KV reuse", lifespan=lifespan)

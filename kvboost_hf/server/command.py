@@ -34,6 +34,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--kv-bits", choices=["none", "8", "4"], default="none",
                        help="quantize stored K/V to int8 / int4 (default: keep the model's dtype)")
     store.add_argument("--disk-path", default=None, help="directory of a persistent disk tier for the store")
+    store.add_argument("--remote-store", default=None, metavar="URL",
+                       help="Redis URL of a tier shared by replicas (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS)")
+    store.add_argument("--remote-prefix", default="kvboost",
+                       help="key prefix in the shared tier; replicas of one model deployment use the same (default kvboost)")
     store.add_argument("--recompute-strategy", choices=list(RECOMPUTE_STRATEGIES), default="exact",
                        help="exact: prefix reuse only (default, token-identical); none / selective / cacheblend: also reuse moved chunks, repaired (approximate)")
     store.add_argument("--no-reuse", action="store_true", help="serve without cross-request reuse (for comparisons)")
@@ -69,16 +73,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def build_store(args: argparse.Namespace):
     """The ChunkStore the flags describe; only flags the user set are passed. Raises ServeError."""
     from ..store import ChunkStore
+    from ..store.remote import redact
 
     kwargs: dict = {"max_bytes": args.max_cache_bytes, "chunk_size": args.chunk_size}
     if args.kv_bits != "none":
         kwargs["kv_bits"] = int(args.kv_bits)
     if args.disk_path:
         kwargs["disk_path"] = args.disk_path
+    if getattr(args, "remote_store", None):
+        kwargs["remote"], kwargs["remote_prefix"] = args.remote_store, args.remote_prefix
     try:
         return ChunkStore(**kwargs)
+    except ImportError as err:
+        raise ServeError(f"--remote-store needs the Redis client: pip install 'kvboost_hf[redis]' ({err})") from err
     except (TypeError, ValueError) as err:
-        flags = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        flags = ", ".join(f"{k}={redact(v) if k == 'remote' else v!r}" for k, v in kwargs.items())
         raise ServeError(f"the chunk store refused its settings ({flags}): {err}") from err
 
 

@@ -12,9 +12,16 @@ import torch
 from .codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk, from_tensors, to_tensors
 from .disk import DiskTier
 from .eviction import ram_victim
-from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry
+from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry, common_prefix_length
 from .keys import Key, chunk_key, segment_spans
 from .quant import SUPPORTED_BITS, default_group_size
+from .remote import RemoteTier, redact
+
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def redact_any(value) -> object:
+    return redact(value) if isinstance(value, str) else value
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,11 @@ class ChunkStore:
         read_only: serve lookups but store nothing new (e.g. a curated, pre-warmed document set);
             with a disk tier, nothing in the directory is written, touched or deleted, so it
             may live on read-only media. The flag can be flipped at any time.
+        remote / remote_prefix: a Redis URL (``redis://[[user]:password@]host:port/db``,
+            ``rediss://`` for TLS) for a tier shared across replicas: lookups go RAM, disk, then
+            Redis; new chunks are written there in the background (TTL ``remote_ttl_s``); hits
+            are verified and promoted to RAM. Redis being down or slow (``remote_timeout_s``)
+            costs speed, never a failed request. Needs ``pip install 'kvboost_hf[redis]'``.
         disk_path / max_disk_bytes: a persistent tier; every stored chunk is also written there
             (checksummed safetensors), RAM misses are served from it, and another process
             pointed at the same directory reuses its entries. Stores of different ``kv_bits``
@@ -81,6 +93,10 @@ class ChunkStore:
         max_disk_bytes: int | None = None,
         recency_half_life: int = 256,
         read_only: bool = False,
+        remote: str | None = None,
+        remote_prefix: str = "kvboost",
+        remote_ttl_s: int = 7 * 24 * 3600,
+        remote_timeout_s: float = 0.25,
     ) -> None:
         max_bytes = _positive_int("max_bytes", max_bytes)
         chunk_size = _positive_int("chunk_size", chunk_size)
@@ -93,6 +109,11 @@ class ChunkStore:
             raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
         if max_disk_bytes is not None and disk_path is None:
             raise ValueError("max_disk_bytes needs disk_path")
+        if remote is not None and (not isinstance(remote, str) or not remote.startswith(REMOTE_SCHEMES)):
+            raise ValueError(f"remote must be a Redis URL ({', '.join(REMOTE_SCHEMES)}...), got {redact_any(remote)!r}")
+        remote_ttl_s = _positive_int("remote_ttl_s", remote_ttl_s)
+        if not isinstance(remote_timeout_s, (int, float)) or remote_timeout_s <= 0:
+            raise ValueError(f"remote_timeout_s must be a positive number of seconds, got {remote_timeout_s!r}")
         self.max_bytes = max_bytes
         self.chunk_size = chunk_size
         self.kv_bits = kv_bits
@@ -114,6 +135,9 @@ class ChunkStore:
         )
         self._disk: DiskTier | None = None
         self._disk_stamp: float | None = None
+        self._remote: RemoteTier | None = None
+        if remote is not None:
+            self._remote = RemoteTier(remote, remote_prefix, ttl_s=remote_ttl_s, timeout_s=remote_timeout_s)
         if disk_path is not None:
             self._disk = DiskTier(disk_path, max_disk_bytes or 10 * max_bytes, read_only=self._read_only)
             self._refresh_disk_index()
@@ -170,6 +194,7 @@ class ChunkStore:
                 "disk_writes": disk.writes if disk else 0,
                 "corrupt_dropped": disk.corrupt_dropped if disk else 0,
                 "temp_files_reclaimed": disk.temp_reclaimed if disk else 0,
+                "remote": self._remote.stats() if self._remote else None,
             }
             return out
 
@@ -189,20 +214,55 @@ class ChunkStore:
             self._clock += 1
             if self._disk is not None:
                 self._refresh_disk_index()
-            pos = 0
+            ids, pos, parent = tuple(token_ids[:limit]), 0, namespace
             chain: set[Key] = set()
-            for key, used in self._index.match_path(namespace, tuple(token_ids[:limit]), self.chunk_size):
-                entry = self._fetch(key, namespace, chain)
-                if entry is None:
+            while pos < limit:
+                ended = False  # the chain ends inside a chunk: nothing can follow
+                for key, used in self._index.match_path(parent, ids, self.chunk_size, pos):
+                    entry = self._fetch(key, namespace, chain)
+                    if entry is None:
+                        break
+                    hits.append(ChunkHit(entry, pos, used))
+                    chain.add(key)
+                    pos, parent, ended = pos + used, key, used < entry.num_tokens
+                    if ended:
+                        break
+                found = None if ended or pos >= limit else self._remote_step(namespace, parent, ids, pos, chain)
+                if found is None:
                     break
+                entry, used = found
                 hits.append(ChunkHit(entry, pos, used))
-                chain.add(key)
-                pos += used
+                chain.add(entry.key)
+                pos, parent = pos + used, entry.key
+                if used < entry.num_tokens:
+                    break
             self._mark_used([hit.chunk for hit in hits])
             self._counts["lookup_tokens"] += limit
             self._counts["hit_tokens"] += pos
             self._counts["hits" if pos else "misses"] += 1
         return hits
+
+    def _remote_step(self, namespace: Key, parent: Key, ids: tuple[int, ...], pos: int, protected: set[Key]):
+        """``(entry, tokens used)``: the successor of ``parent`` in the remote tier matching the most of
+        ``ids[pos:]``, verified and promoted to RAM; None when there is none (or the tier is unavailable)."""
+        if self._remote is None:
+            return None
+        best, best_n = None, 0
+        for key, tokens in self._remote.successors(parent).items():
+            n = common_prefix_length(tokens, ids[pos:])
+            if n > best_n or (n == best_n and best is not None and len(tokens) == n):
+                best, best_n = key, n
+        if best is None:
+            return None
+        loaded = self._remote.read(best, namespace, self.accepts)
+        if loaded is None:
+            return None
+        entry = from_tensors(best, *loaded)
+        if entry.parent != parent or not self.accepts(entry.bits):
+            return None
+        if best not in self._ram and self._make_room(entry.nbytes, protected):
+            self._add_ram(entry)
+        return self._ram.get(best, entry), best_n
 
     def lookup_content(
         self, namespace: Key, token_ids: Sequence[int], start: int, stop: int, min_tokens: int = 16
@@ -328,6 +388,9 @@ class ChunkStore:
         self._add_ram(entry)
         self._counts["inserted"] += 1
         self._write_disk(entry)
+        if self._remote is not None and not self._read_only:
+            tensors, metadata = to_tensors(entry)
+            self._remote.write_async(entry.key, entry.parent, entry.token_ids, entry.bits, tensors, metadata)
 
     def _write_disk(self, entry: StoredChunk) -> None:
         if self._disk is None or self._read_only:
@@ -395,6 +458,15 @@ class ChunkStore:
             if self.accepts(record.bits):
                 self._index.add(record.key, IndexEntry(record.parent, record.namespace, record.token_ids, record.bits))
 
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until chunks queued for the remote tier are written; False on timeout (True without one)."""
+        return self._remote.flush(timeout_s) if self._remote is not None else True
+
+    def close(self) -> None:
+        """Finish pending remote writes and stop the remote writer (the store still serves RAM and disk)."""
+        if self._remote is not None:
+            self._remote.close()
+
     def clear(self) -> None:
         """Drop every RAM entry (the disk tier and counters are kept)."""
         with self._lock:
@@ -407,5 +479,6 @@ class ChunkStore:
     def __repr__(self) -> str:
         return (
             f"ChunkStore(entries={len(self._ram)}, bytes={self._bytes}, max_bytes={self.max_bytes}, "
-            f"chunk_size={self.chunk_size}, kv_bits={self.kv_bits}, disk={self._disk.path if self._disk else None})"
+            f"chunk_size={self.chunk_size}, kv_bits={self.kv_bits}, disk={self._disk.path if self._disk else None}, "
+            f"remote={self._remote.url if self._remote else None})"
         )

@@ -1,0 +1,221 @@
+"""Remote tier of the ChunkStore on Redis (or Valkey): replicas reuse each other's K/V.
+
+Layout under ``prefix`` (all with a TTL; Redis' own eviction, e.g. ``maxmemory-policy
+allkeys-lru``, bounds the memory, and the client never assumes a key is still there):
+
+- ``{prefix}:kv:{bits}:{key}``: the chunk's verified blob (:mod:`.entry_bytes`), one key per
+  storage precision (``none``, ``8``, ``4``), so a lossless store never even reads a lossy entry;
+- ``{prefix}:next:{parent}``: a hash from each known successor's key to its token ids, which
+  is how a lookup walks a chain it has never seen locally.
+
+Reads are synchronous with short timeouts (they are on the request's path, and cheaper than
+recomputing); writes go through a bounded queue to one background thread, never on the
+request's path. Any Redis error (down, slow, full, auth) opens a circuit breaker: the tier is
+skipped, with a warning and a counter, and retried after a back-off. A corrupt or foreign blob
+is deleted and counted, never loaded. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import torch
+
+from .entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
+from .keys import Key
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = (None, 8, 4)  # most precise first
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for logs and errors)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _bits_name(bits: int | None) -> str:
+    return "none" if bits is None else str(bits)
+
+
+class CircuitBreaker:
+    """Closed until a failure; then open for ``backoff_s`` (doubling per consecutive failure, up to ``max_backoff_s``)."""
+
+    def __init__(self, backoff_s: float = 2.0, max_backoff_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.backoff_s, self.max_backoff_s, self.clock = backoff_s, max_backoff_s, clock
+        self.failures = 0
+        self.open_until = 0.0
+
+    @property
+    def is_open(self) -> bool:
+        return self.clock() < self.open_until
+
+    def allow(self) -> bool:
+        return not self.is_open
+
+    def success(self) -> None:
+        self.failures = 0
+
+    def failure(self) -> float:
+        """Record a failure; returns how long the tier is now skipped."""
+        self.failures += 1
+        wait = min(self.max_backoff_s, self.backoff_s * 2 ** (self.failures - 1))
+        self.open_until = self.clock() + wait
+        return wait
+
+
+class RemoteTier:
+    """Chunk blobs in Redis under ``prefix``; every call is bounded and never raises for Redis trouble."""
+
+    def __init__(self, url: str, prefix: str = "kvboost", *, ttl_s: int = 7 * 24 * 3600, timeout_s: float = 0.25,
+                 max_pending_writes: int = 256, client=None) -> None:
+        import redis  # noqa: PLC0415 - optional dependency: pip install 'kvboost_hf[redis]'
+
+        self.url = redact(url)
+        self.prefix = prefix
+        self.ttl_s = int(ttl_s)
+        self._errors = (redis.RedisError, OSError)
+        self._client = client or redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
+        )
+        self.breaker = CircuitBreaker()
+        self.counts = dict.fromkeys(
+            ("reads", "hits", "writes", "write_errors", "writes_dropped", "corrupt_dropped", "errors", "skipped"), 0
+        )
+        self._pending: queue.Queue = queue.Queue(maxsize=max_pending_writes)
+        self._writer = threading.Thread(target=self._write_loop, name="kvboost-remote-writer", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ keys
+    def _kv(self, key: Key, bits: int | None) -> str:
+        return f"{self.prefix}:kv:{_bits_name(bits)}:{key.hex()}"
+
+    def _next(self, parent: Key) -> str:
+        return f"{self.prefix}:next:{parent.hex()}"
+
+    # ------------------------------------------------------------------ guarded calls
+    def _call(self, what: str, fn):
+        """Run ``fn()`` unless the breaker is open; Redis errors open it and return None."""
+        if not self.breaker.allow():
+            self.counts["skipped"] += 1
+            return None
+        try:
+            result = fn()
+        except self._errors as err:
+            self.counts["errors"] += 1
+            wait = self.breaker.failure()
+            logger.warning("remote store %s unavailable during %s (%s: %s); skipping it for %.0f s",
+                           self.url, what, type(err).__name__, redact(str(err)), wait)
+            return None
+        self.breaker.success()
+        return result
+
+    # ------------------------------------------------------------------ read
+    def successors(self, parent: Key) -> dict[Key, tuple[int, ...]]:
+        """Known successors of ``parent`` and their token ids (empty when unknown or unavailable)."""
+        raw = self._call("lookup", lambda: self._client.hgetall(self._next(parent)))
+        out = {}
+        for k, v in (raw or {}).items():
+            try:
+                out[bytes.fromhex(k.decode())] = tuple(json.loads(v))
+            except (ValueError, UnicodeDecodeError):
+                continue
+        return out
+
+    def read(self, key: Key, namespace: Key, accepts: Callable[[int | None], bool]):
+        """Verified tensors and metadata of ``key`` at the most precise precision ``accepts``, or None."""
+        wanted = [bits for bits in PRECISIONS if accepts(bits)]
+        names = [self._kv(key, bits) for bits in wanted]
+        blobs = self._call("read", lambda: self._client.mget(names))
+        if not blobs:
+            return None
+        self.counts["reads"] += 1
+        for name, bits, blob in zip(names, wanted, blobs):
+            if blob is None:
+                continue
+            try:
+                tensors, metadata = decode_entry(key, blob)
+                if precision_of(metadata) != bits:
+                    raise CorruptEntry("stored under another precision than it holds")
+            except CorruptEntry as err:
+                self.counts["corrupt_dropped"] += 1
+                logger.warning("dropping corrupt remote entry %s: %s", name, err)
+                self._call("delete", lambda n=name: self._client.delete(n))
+                continue
+            if metadata["namespace"] != namespace.hex():
+                return None  # keys are chained from the namespace: only a forged blob gets here
+            self.counts["hits"] += 1
+            self._call("touch", lambda n=name: self._client.expire(n, self.ttl_s))
+            return tensors, metadata
+        return None
+
+    # ------------------------------------------------------------------ write
+    def write_async(self, key: Key, parent: Key, token_ids: tuple[int, ...], bits: int | None,
+                    tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        """Queue one chunk for writing; dropped (and counted) when the queue is full or the tier is down."""
+        if not self.breaker.allow():
+            self.counts["skipped"] += 1
+            return
+        try:
+            self._pending.put_nowait((key, parent, token_ids, bits, tensors, metadata))
+        except queue.Full:
+            self.counts["writes_dropped"] += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self._pending.task_done()
+
+    def _write(self, key, parent, token_ids, bits, tensors, metadata) -> None:
+        blob = encode_entry(key, tensors, metadata)
+
+        def put():
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(self._kv(key, bits), blob, ex=self.ttl_s)
+            pipe.hset(self._next(parent), key.hex(), json.dumps(list(token_ids)))
+            pipe.expire(self._next(parent), self.ttl_s)
+            return pipe.execute()
+
+        if self._call("write", put) is None:
+            self.counts["write_errors"] += 1
+        else:
+            self.counts["writes"] += 1
+
+    def forget_successor(self, parent: Key, key: Key) -> None:
+        """Drop a successor whose blob is gone (expired or evicted by Redis)."""
+        self._call("cleanup", lambda: self._client.hdel(self._next(parent), key.hex()))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until queued writes are done (tests, benchmarks, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        self.flush(timeout_s=2.0)
+        try:
+            self._pending.put_nowait(None)
+        except queue.Full:
+            pass
+
+    def stats(self) -> dict:
+        return {**self.counts, "pending_writes": self._pending.qsize(), "available": not self.breaker.is_open}
