@@ -218,4 +218,4 @@ class RemoteTier:
             pass
 
     def stats(self) -> dict:
-        return {**self.counts, "pending_writes": self._pending.qsize(), "available": not self.breaker.is_open}
+        return {**self.counts, "pending_writes": self._pending.unfinished_tasks, "available": not self.breaker.is_open}

@@ -105,3 +105,49 @@ def tiny_server() -> Iterator[RunningServer]:
     """A server on a tiny Llama (context 512) shared by a test module."""
     with serve(make_tiny("llama", seed=3), tiny_tokenizer()) as running:
         yield running
+
+
+def save_tiny_model(directory, seed: int) -> None:
+    """A tiny Llama and the word tokenizer (with chat template) saved as a checkpoint ``--model`` can load."""
+    make_tiny("llama", seed=seed).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+
+
+@contextlib.contextmanager
+def server_process(model_dir, *flags: str, startup_s: float = 120.0) -> Iterator[str]:
+    """``python -m kvboost_hf.server --model MODEL_DIR FLAGS`` on a free port; yields its base URL, stops it after."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[2]
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvboost_hf.server", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+         "--port", str(port), "--log-level", "warning", *flags],
+        cwd=model_dir, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)

@@ -4,13 +4,7 @@ and the real command in a subprocess."""
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import httpx
 import pytest
 
 from kvboost_hf import ChunkStore, enable_chunk_reuse
@@ -25,9 +19,7 @@ from kvboost_hf.server.command import (
     worker_settings,
 )
 from tests.conftest import make_tiny
-from tests.server.conftest import MODEL_NAME, cycle_words, free_port, serve, tiny_tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.server.conftest import MODEL_NAME, cycle_words, save_tiny_model, serve, server_process, tiny_tokenizer
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -89,37 +81,11 @@ def test_warm_file_in_blocks_then_requests_reuse_it(tmp_path, capsys):
 def test_python_m_server_serves_a_saved_model(tmp_path):
     """The real command: a saved tiny model, start-up warming, the SDK, then the process is stopped."""
     model_dir = tmp_path / "tiny-llama"
-    make_tiny("llama", seed=15).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvboost_hf.server", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
-         "--port", str(port), "--api-key", "k", "--chunk-size", "16", "--warm", cycle_words(40, start=9),
-         "--log-level", "warning"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+    save_tiny_model(model_dir, seed=15)
+    with server_process(model_dir, "--api-key", "k", "--chunk-size", "16", "--warm", cycle_words(40, start=9)) as base:
         from openai import OpenAI
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=30)
+        client = OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0, timeout=30)
         out = client.completions.create(model=MODEL_NAME, prompt=cycle_words(40, start=9) + " w60", max_tokens=2,
                                         temperature=0)
         assert out.usage.prompt_tokens_details.cached_tokens == 40  # warmed at start-up
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
