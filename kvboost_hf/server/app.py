@@ -31,6 +31,7 @@ from .errors import APIError, install_error_handlers
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
 from .metrics import ServerMetrics
 from .scheduler import GenerationQueue, Job, QueueFullError
+from .store_metrics import RemoteStoreCollector
 from .streaming_metrics import StreamingCollector, streaming_snapshot
 from .settings import ServerSettings
 
@@ -64,6 +65,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     metrics = ServerMetrics(store_bytes=lambda: store.nbytes, queue_depth=lambda: queue.depth)
     if streaming_snapshot(model) is not None:  # AWQ layer streaming: its counters on /metrics too
         metrics.registry.register(StreamingCollector(model))
+    if store.stats().get("remote") is not None:  # a shared Redis tier: its counters on /metrics too
+        metrics.registry.register(RemoteStoreCollector(store))
     service = _Service(model, tokenizer, store, settings, queue, metrics)
 
     @asynccontextmanager

@@ -80,7 +80,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve(model, tokenizer, store: ChunkStore | None = None, **settings) -> Iterator[RunningServer]:
     """Run the app with uvicorn on 127.0.0.1 in a background thread; stop it and disable reuse after."""
-    store = store or ChunkStore(max_bytes=50_000_000, chunk_size=16)
+    store = store if store is not None else ChunkStore(max_bytes=50_000_000, chunk_size=16)  # an empty store is falsy
     settings.setdefault("model_name", MODEL_NAME)
     app = create_app(model, tokenizer, store, ServerSettings(**settings))
     port = free_port()

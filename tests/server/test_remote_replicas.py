@@ -47,3 +47,19 @@ def test_second_replica_continues_the_first_replicas_conversation(tmp_path, redi
     ref = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out.choices[0].text == tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
     assert out.usage.prompt_tokens_details.cached_tokens >= len(tokenizer(turn1)["input_ids"])
+
+
+def test_remote_counters_on_stats_and_metrics(redis_url):
+    from kvboost_hf import ChunkStore
+    from tests.conftest import make_tiny
+    from tests.server.conftest import serve, tiny_tokenizer
+
+    store = ChunkStore(max_bytes=50_000_000, chunk_size=16, remote=redis_url, remote_prefix=f"m-{uuid.uuid4().hex[:6]}")
+    with serve(make_tiny("llama", seed=4), tiny_tokenizer(), store) as server:
+        complete(server.base_url, cycle_words(40))
+        assert store.flush()
+        remote = httpx.get(f"{server.base_url}/v1/stats").json()["store"]["remote"]
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert remote["writes"] >= 2 and remote["available"] is True
+    assert f"kvboost_remote_writes_total {float(remote['writes'])}" in metrics
+    assert "kvboost_remote_available 1.0" in metrics
