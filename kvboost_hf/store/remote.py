@@ -28,6 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 
 from .entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
+from .index import common_prefix_length
 from .keys import Key
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,15 @@ class RemoteTier:
             except (ValueError, UnicodeDecodeError):
                 continue
         return out
+
+    def best_successor(self, parent: Key, ids: tuple[int, ...]) -> tuple[Key, int] | None:
+        """``(key, tokens matched)`` of the successor of ``parent`` matching the most of ``ids`` (complete chunks win ties)."""
+        best, best_n = None, 0
+        for key, tokens in self.successors(parent).items():
+            n = common_prefix_length(tokens, ids)
+            if n > best_n or (n == best_n and best is not None and len(tokens) == n):
+                best, best_n = key, n
+        return None if best is None else (best, best_n)
 
     def read(self, key: Key, namespace: Key, accepts: Callable[[int | None], bool]):
         """Verified tensors and metadata of ``key`` at the most precise precision ``accepts``, or None."""

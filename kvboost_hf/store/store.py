@@ -12,16 +12,11 @@ import torch
 from .codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk, from_tensors, to_tensors
 from .disk import DiskTier
 from .eviction import ram_victim
-from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry, common_prefix_length
+from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry
 from .keys import Key, chunk_key, segment_spans
-from .quant import SUPPORTED_BITS, default_group_size
-from .remote import RemoteTier, redact
-
-REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def redact_any(value) -> object:
-    return redact(value) if isinstance(value, str) else value
+from .quant import default_group_size
+from .remote import RemoteTier
+from .settings import StoreSettings
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +30,6 @@ def _precision_rank(bits: int | None) -> int:
     return 1 << 30 if bits is None else bits
 
 
-def _positive_int(name: str, value, allow_none: bool = False) -> int | None:
-    """``value`` as a positive int (integral floats such as ``2e9`` accepted); ValueError otherwise."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 class ChunkStore:
     """Content-addressed K/V chunks shared across requests, bounded by ``max_bytes``.
 
@@ -54,27 +38,9 @@ class ChunkStore:
     same model namespace. The last chunk of a sequence may be partial; lookups match a partial
     overlap with any stored chunk at token granularity.
 
-    Settings:
-        max_bytes: RAM budget, counting tensors, scales, token ids and bookkeeping; never exceeded.
-        chunk_size: tokens per chunk.
-        kv_bits: ``None`` stores the model's own dtype (lossless); 8 or 4 store KIVI-quantized
-            K/V (keys per channel, values per token in groups of ``group_size`` channels).
-        group_size: channel group for value quantization; must divide the model's head_dim
-            (default: the largest of 128/64/32/16/8 that does).
-        sink_tokens: the first ``sink_tokens`` tokens of every sequence stay full precision.
-        read_only: serve lookups but store nothing new (e.g. a curated, pre-warmed document set);
-            with a disk tier, nothing in the directory is written, touched or deleted, so it
-            may live on read-only media. The flag can be flipped at any time.
-        remote / remote_prefix: a Redis URL (``redis://[[user]:password@]host:port/db``,
-            ``rediss://`` for TLS) for a tier shared across replicas: lookups go RAM, disk, then
-            Redis; new chunks are written there in the background (TTL ``remote_ttl_s``); hits
-            are verified and promoted to RAM. Redis being down or slow (``remote_timeout_s``)
-            costs speed, never a failed request. Needs ``pip install 'kvboost_hf[redis]'``.
-        disk_path / max_disk_bytes: a persistent tier; every stored chunk is also written there
-            (checksummed safetensors), RAM misses are served from it, and another process
-            pointed at the same directory reuses its entries. Stores of different ``kv_bits``
-            may share a directory: a lookup never returns an entry less precise than the
-            store's own setting (a lossless store only lossless entries; int8 lossless or int8).
+    Settings are validated by :class:`~.settings.StoreSettings` (see it for each one): the RAM
+    budget, chunk size, storage precision (``kv_bits``; a lookup never returns an entry less
+    precise than that), sink tokens, a disk tier, a shared Redis tier, read-only serving.
 
     Eviction keeps what is worth most: ``(hits + 1) x recompute cost / bytes``, halved every
     ``recency_half_life`` store operations without use. Only chunks with no stored successor
@@ -98,28 +64,19 @@ class ChunkStore:
         remote_ttl_s: int = 7 * 24 * 3600,
         remote_timeout_s: float = 0.25,
     ) -> None:
-        max_bytes = _positive_int("max_bytes", max_bytes)
-        chunk_size = _positive_int("chunk_size", chunk_size)
-        group_size = _positive_int("group_size", group_size, allow_none=True)
-        max_disk_bytes = _positive_int("max_disk_bytes", max_disk_bytes, allow_none=True)
-        recency_half_life = _positive_int("recency_half_life", recency_half_life)
-        if kv_bits is not None and kv_bits not in SUPPORTED_BITS:
-            raise ValueError(f"kv_bits must be None, 8 or 4, got {kv_bits!r}")
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
-        if max_disk_bytes is not None and disk_path is None:
-            raise ValueError("max_disk_bytes needs disk_path")
-        if remote is not None and (not isinstance(remote, str) or not remote.startswith(REMOTE_SCHEMES)):
-            raise ValueError(f"remote must be a Redis URL ({', '.join(REMOTE_SCHEMES)}...), got {redact_any(remote)!r}")
-        remote_ttl_s = _positive_int("remote_ttl_s", remote_ttl_s)
-        if not isinstance(remote_timeout_s, (int, float)) or remote_timeout_s <= 0:
-            raise ValueError(f"remote_timeout_s must be a positive number of seconds, got {remote_timeout_s!r}")
-        self.max_bytes = max_bytes
-        self.chunk_size = chunk_size
-        self.kv_bits = kv_bits
-        self.group_size = group_size
-        self.sink_tokens = sink_tokens
-        self.recency_half_life = recency_half_life
+        settings = StoreSettings(
+            max_bytes=max_bytes, chunk_size=chunk_size, kv_bits=kv_bits, group_size=group_size,
+            sink_tokens=sink_tokens, disk_path=disk_path, max_disk_bytes=max_disk_bytes,
+            recency_half_life=recency_half_life, read_only=read_only, remote=remote, remote_prefix=remote_prefix,
+            remote_ttl_s=remote_ttl_s, remote_timeout_s=remote_timeout_s,
+        )
+        self.settings = settings
+        self.max_bytes = settings.max_bytes
+        self.chunk_size = settings.chunk_size
+        self.kv_bits = settings.kv_bits
+        self.group_size = settings.group_size
+        self.sink_tokens = settings.sink_tokens
+        self.recency_half_life = settings.recency_half_life
         self._read_only = bool(read_only)
         self._lock = threading.RLock()
         self._ram: dict[Key, StoredChunk] = {}
@@ -137,9 +94,10 @@ class ChunkStore:
         self._disk_stamp: float | None = None
         self._remote: RemoteTier | None = None
         if remote is not None:
-            self._remote = RemoteTier(remote, remote_prefix, ttl_s=remote_ttl_s, timeout_s=remote_timeout_s)
+            self._remote = RemoteTier(remote, remote_prefix, ttl_s=settings.remote_ttl_s,
+                                      timeout_s=settings.remote_timeout_s)
         if disk_path is not None:
-            self._disk = DiskTier(disk_path, max_disk_bytes or 10 * max_bytes, read_only=self._read_only)
+            self._disk = DiskTier(disk_path, settings.max_disk_bytes or 10 * self.max_bytes, read_only=self._read_only)
             self._refresh_disk_index()
 
     @property
@@ -247,13 +205,10 @@ class ChunkStore:
         ``ids[pos:]``, verified and promoted to RAM; None when there is none (or the tier is unavailable)."""
         if self._remote is None:
             return None
-        best, best_n = None, 0
-        for key, tokens in self._remote.successors(parent).items():
-            n = common_prefix_length(tokens, ids[pos:])
-            if n > best_n or (n == best_n and best is not None and len(tokens) == n):
-                best, best_n = key, n
-        if best is None:
+        found = self._remote.best_successor(parent, ids[pos:])
+        if found is None:
             return None
+        best, best_n = found
         loaded = self._remote.read(best, namespace, self.accepts)
         if loaded is None:
             return None
