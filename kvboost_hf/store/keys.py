@@ -137,14 +137,15 @@ def active_adapters(model: torch.nn.Module) -> list[str]:
 
 def _sampled_values(tensors: list[torch.Tensor]) -> bytes:
     """A strided sample of every tensor's values: catches most edits that bypass version counters."""
-    parts = []
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
         if flat.numel() == 0 or flat.device.type == "meta":
             continue
         step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
-        parts.append(flat[::step][:_SAMPLES_PER_TENSOR].to("cpu", torch.float64))
-    return torch.cat(parts).numpy().tobytes() if parts else b""
+        by_device.setdefault(flat.device, []).append(flat[::step][:_SAMPLES_PER_TENSOR].to(torch.float64))
+    # One copy to the CPU per device, not one per tensor (each would synchronise a GPU).
+    return b"".join(torch.cat(parts).cpu().numpy().tobytes() for parts in by_device.values())
 
 
 def model_state_token(model: torch.nn.Module) -> tuple:
