@@ -117,6 +117,10 @@ def test_password_urls_work_and_never_reach_the_logs(caplog):
             assert intruder.lookup(NS, TOKENS) == [] and intruder.stats()["remote"]["errors"] == 1
             assert "s3cret-pw" not in repr(store) and "wrong-pw" not in repr(intruder)
         assert caplog.records and not any("pw" in r.getMessage() for r in caplog.records)
+        admin = redis.Redis.from_url(url)
+        admin.acl_setuser("alice", enabled=True, passwords=["+alice-pw"], keys=["auth:*"], commands=["+@all"])
+        acl_url = url.replace(":s3cret-pw@", "alice:alice-pw@")
+        assert len(ChunkStore(chunk_size=4, remote=acl_url, remote_prefix="auth").lookup(NS, TOKENS)) == 3
     finally:
         proc.kill()
         proc.wait()
@@ -221,3 +225,15 @@ def test_a_full_redis_refuses_writes_and_requests_carry_on():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_successor_whose_blob_is_gone_is_a_plain_miss(redis_url, prefix):
+    writer = replica(redis_url, prefix)
+    put(writer, TOKENS)
+    assert writer.flush()
+    client = redis.Redis.from_url(redis_url)
+    last = f"{prefix}:kv:none:{writer.lookup(NS, TOKENS)[2].chunk.key.hex()}"
+    client.delete(last)  # evicted or expired by Redis; its parent's successor list still names it
+    reader = replica(redis_url, prefix)
+    assert sum(h.num_tokens for h in reader.lookup(NS, TOKENS)) == 8
+    assert reader.stats()["remote"]["corrupt_dropped"] == 0 and reader.stats()["remote"]["errors"] == 0
