@@ -1,4 +1,4 @@
-"""``kvboost-hf`` command line: ``demo`` (questions over a document, with and without reuse), ``model``, ``serve`` and ``awq-pack``."""
+"""``kvboost-hf`` command line: ``demo`` (questions over a document, with and without reuse), ``model``, ``serve``, ``awq-pack`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     from .streaming.pack import add_awq_pack_arguments
 
     add_awq_pack_arguments(sub.add_parser("awq-pack", help="write an AutoAWQ GEMM int4 checkpoint from a float model"))
+    from .planner.command import add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="capacity model: K/V per token, sequences that fit, decode roofline"))
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from .planner.command import plan_command
+
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        print(plan_command(args))
+        return 0
     if args.command == "awq-pack":
         from .streaming.pack import awq_pack_command
 
