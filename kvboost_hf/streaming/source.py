@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,17 @@ class HostSource:
         return sum(self.nbytes(n) for n in self._tensors)
 
     def copy_into(self, name: str, dst: torch.Tensor, non_blocking: bool = False) -> int:
-        """Copy tensor ``name`` into ``dst``. Returns bytes moved."""
-        dst.copy_(self._tensors[name], non_blocking=non_blocking)
+        """Copy tensor ``name`` into ``dst``. Returns bytes moved.
+
+        CPU to CPU goes through numpy: one single-threaded memcpy without the GIL. torch's
+        ``copy_`` splits it over the intra-op pool, and on a busy machine waiting for that pool
+        made a 2.7 MB copy take 8-30 ms instead of 0.3 ms (measured on 2 shared cores).
+        """
+        src = self._tensors[name]
+        if dst.device.type == "cpu" and src.device.type == "cpu":
+            np.copyto(dst.numpy(), src.numpy())
+        else:
+            dst.copy_(src, non_blocking=non_blocking)
         return self.nbytes(name)
 
     def throttle(self, nbytes: int, started: float) -> None:
