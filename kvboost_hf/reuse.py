@@ -181,6 +181,12 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
         if state is not None:
             _start_request(module, state, cache, input_ids, kwargs)
             return args, kwargs
+    elif _is_later_prefill_chunk(cache, input_ids, kwargs):
+        cache.stats.prompt_tokens += input_ids.shape[1]
+        cache.stats.recomputed_tokens += input_ids.shape[1]
+        if _can_continue(module, cache, input_ids, kwargs):
+            _continue_prefix(cache, input_ids, kwargs)  # chunked prefill: reuse for every chunk
+            return args, kwargs
     if cache.trackable:
         cache.track(input_ids[0])
     return args, kwargs
@@ -233,6 +239,8 @@ def _start_request(module, state: ReuseState, cache: ChunkReuseCache, input_ids:
     stats = ReuseStats(prompt_tokens=prompt_len, recomputed_tokens=prompt_len)
     cache.stats = stats
     cache.request = request = _Request(prompt_tokens=prompt_len)
+    if cache.store is None:  # e.g. a prompt cache built with a direct forward: use the enabled store
+        cache.store = state.store
     reason = _refusal(cache, kwargs, input_ids)
     if reason:
         stats.reason = reason
@@ -253,6 +261,10 @@ def _start_request(module, state: ReuseState, cache: ChunkReuseCache, input_ids:
     can_skip = isinstance(logits_to_keep, int) and logits_to_keep > 0 and kwargs.get("labels") is None
     per_position = _per_position_outputs(module, kwargs)
     if cache.num_tokens:
+        if _can_continue(module, cache, input_ids, kwargs):
+            _continue_prefix(cache, input_ids, kwargs)
+            stats.lookup_ms = (time.perf_counter() - start_time) * 1000.0
+            return
         stats.reason = "continuing a pre-filled cache"
     elif not can_skip:
         stats.reason = "forward needs logits of every position"
@@ -302,6 +314,57 @@ def _repair(module, state: ReuseState, cache, plan: ReusePlan, kwargs: dict, sta
     stats.layer_tokens = outcome.layer_tokens
     stats.strategy = state.strategy.name
     stats.lookup_ms = (time.perf_counter() - start_time) * 1000.0
+
+
+def _is_later_prefill_chunk(cache: ChunkReuseCache, input_ids: torch.Tensor, kwargs: dict) -> bool:
+    """A forward of several prompt tokens of which only the last logits are kept (chunked prefill)."""
+    logits_to_keep = kwargs.get("logits_to_keep", 0)
+    return (cache.stats is not None and input_ids.dim() == 2 and isinstance(logits_to_keep, int)
+            and 0 < logits_to_keep < input_ids.shape[1])
+
+
+def _can_continue(module, cache: ChunkReuseCache, input_ids: torch.Tensor, kwargs: dict) -> bool:
+    """Whether this forward extends a cache of exact K/V with prompt tokens the store may hold
+    (chunked prefill's later chunks, a continued prompt cache): never decode steps or verifications."""
+    request, logits_to_keep = cache.request, kwargs.get("logits_to_keep", 0)
+    return (
+        request is not None and request.namespace is not None and cache.trackable and cache.store is not None
+        and not cache.blending and input_ids.dim() == 2 and input_ids.shape[0] == 1
+        and isinstance(logits_to_keep, int) and 0 < logits_to_keep < input_ids.shape[1]
+        and kwargs.get("labels") is None and not _per_position_outputs(module, kwargs)
+        and (request.commit_limit is None or request.commit_limit >= cache.num_tokens)
+        and cache.num_tokens > 0 and cache.get_seq_length() == cache.num_tokens
+        and not _refusal(cache, kwargs, input_ids)
+    )
+
+
+def _continue_prefix(cache: ChunkReuseCache, input_ids: torch.Tensor, kwargs: dict) -> None:
+    """Load stored K/V of the tokens of ``input_ids`` that extend the cache's tokens, trim them from
+    the forward, and add this forward's prompt tokens to the request's stats."""
+    have, new = cache.num_tokens, input_ids.shape[1]
+    ids = cache.token_ids() + input_ids[0].tolist()
+    hits = cache.store.lookup(cache.request.namespace, ids, max_tokens=have + new - kwargs["logits_to_keep"])
+    loaded = exact = 0
+    for hit in hits:
+        skip = max(0, have - hit.start)
+        if skip >= hit.num_tokens:
+            continue
+        for i, layer in enumerate(cache.layers):
+            k, v = hit.chunk.layer_states(i, hit.num_tokens)
+            layer.append(as_batch(k[:, skip:], 1, input_ids.device), as_batch(v[:, skip:], 1, input_ids.device))
+        loaded += hit.num_tokens - skip
+        exact += max(0, hit.exact_tokens - skip)
+    if loaded:
+        cache.track(input_ids[0, :loaded])
+        _select_inputs(kwargs, slice(loaded, None), new)
+    cache.track(input_ids[0, loaded:])
+    stats = cache.stats
+    if stats is not None:
+        stats.reused_tokens += loaded
+        stats.exact_tokens += exact
+        stats.approximate_tokens += loaded - exact
+        stats.recomputed_tokens -= loaded
+        stats.layer_tokens = [stats.recomputed_tokens] * len(cache.layers)
 
 
 def _load_prefix(cache: ChunkReuseCache, namespace: Key, input_ids: torch.Tensor, max_tokens: int) -> tuple[int, int]:
