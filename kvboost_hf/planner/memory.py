@@ -1,0 +1,182 @@
+"""MemoryPlanner: predict a request's peak memory before it runs, and pick a prefill chunk size that fits.
+
+:meth:`MemoryPlanner.plan` is a pure function of the request's sizes and the planner's probed
+numbers; it mutates nothing, and its settings apply to that request only. The peak it predicts:
+
+- the request's K/V at its full length (prompt + new tokens), in the model's dtype, every layer
+  (with chunk reuse on, sliding layers keep every token too: the cache holds them for storing);
+- K/V other running requests already hold (``batch_kv_bytes``);
+- activations of one prefill chunk (hidden states, attention projections, the gated MLP);
+- attention scratch of that chunk (scores of chunk x context x heads, and its mask);
+- the logits rows of the last position (and the processed copies generate makes).
+
+A prefill chunk only covers tokens that are not reused, so reuse lowers the activation and
+scratch terms; the K/V term stays (a request's cache holds its reused tokens too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .capacity import ModelShape, kv_bytes_per_sequence, kv_bytes_per_token
+
+logger = logging.getLogger(__name__)
+
+# Chunk sizes tried from cheapest (one forward) to leanest.
+PREFILL_LADDER = (None, 4096, 2048, 1024, 512, 256, 128)
+DEFAULT_MARGIN = 0.10
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What the planner decided for one request."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    reused_tokens: int
+    prefill_chunk_size: int | None  # None: the prompt in one forward
+    predicted_peak_bytes: int
+    free_bytes: int
+    fits: bool
+    suggested_max_tokens: int  # the most new tokens that fit after this prompt (0: the prompt alone does not fit)
+
+    @property
+    def generate_kwargs(self) -> dict:
+        """Keyword arguments that apply this plan to ``model.generate``."""
+        return {} if self.prefill_chunk_size is None else {"prefill_chunk_size": self.prefill_chunk_size}
+
+    def error_payload(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "predicted_peak_mb": round(self.predicted_peak_bytes / MIB, 1),
+            "free_mb": round(self.free_bytes / MIB, 1),
+            "suggested_max_tokens": self.suggested_max_tokens,
+        }
+
+
+class MemoryPlanner:
+    """Per-request memory plans for one model on one machine.
+
+    ``free_bytes``: memory available to requests beyond what the process already holds (the
+    weights included); a ``margin`` fraction of it is kept in reserve. ``sliding_capped`` says
+    whether sliding layers keep only their window (plain ``DynamicCache``) or every token (with
+    chunk reuse, which stores the whole prompt).
+    """
+
+    def __init__(self, shape: ModelShape, free_bytes: int, margin: float = DEFAULT_MARGIN,
+                 sliding_capped: bool = False, ladder: tuple = PREFILL_LADDER) -> None:
+        if free_bytes <= 0:
+            raise ValueError(f"free_bytes must be positive, got {free_bytes}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        self.shape, self.free_bytes, self.margin = shape, int(free_bytes), margin
+        self.sliding_capped, self.ladder = sliding_capped, ladder
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.free_bytes * (1.0 - self.margin))
+
+    # ------------------------------------------------------------------ the model of a peak
+    def kv_bytes(self, tokens: int) -> int:
+        if self.sliding_capped:
+            return kv_bytes_per_sequence(self.shape, tokens)
+        return sum(kv_bytes_per_token(self.shape).values()) * tokens
+
+    def forward_bytes(self, chunk: int, context: int) -> int:
+        """Activations and attention scratch of forwarding ``chunk`` tokens over ``context`` keys."""
+        s = self.shape
+        width = 4 * s.hidden_size + 3 * s.intermediate_size + (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
+        activations = chunk * width * s.dtype_bytes
+        scores = chunk * context * s.num_attention_heads * max(s.dtype_bytes, 4)  # softmax runs in fp32 on CPU
+        mask = chunk * context
+        return activations + scores + mask
+
+    def logits_bytes(self) -> int:
+        return 3 * self.shape.vocab_size * 4  # last-position logits, fp32, plus generate's processed copies
+
+    def peak_bytes(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int = 0,
+                   prefill_chunk_size: int | None = None, batch_kv_bytes: int = 0) -> int:
+        total = prompt_tokens + max_new_tokens
+        computed = max(1, prompt_tokens - min(reused_tokens, prompt_tokens - 1))
+        chunk = computed if prefill_chunk_size is None else min(prefill_chunk_size, computed)
+        return self.kv_bytes(total) + batch_kv_bytes + self.forward_bytes(chunk, prompt_tokens) + self.logits_bytes()
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int = 0,
+             batch_kv_bytes: int = 0) -> RequestPlan:
+        """The cheapest prefill chunk size whose predicted peak fits; ``fits=False`` with a suggestion when none does."""
+        if prompt_tokens <= 0 or max_new_tokens < 0 or reused_tokens < 0:
+            raise ValueError("prompt_tokens must be positive, max_new_tokens and reused_tokens non-negative")
+        budget = self.budget_bytes
+        peak = 0
+        for chunk in self.ladder:
+            if chunk is not None and chunk >= prompt_tokens - reused_tokens:
+                continue  # no smaller than one forward: the next rung is
+            peak = self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, chunk, batch_kv_bytes)
+            if peak <= budget:
+                return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, chunk, peak, self.free_bytes, True,
+                                   max_new_tokens)
+        suggestion = self.suggested_max_tokens(prompt_tokens, reused_tokens, batch_kv_bytes, limit=max_new_tokens)
+        return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], peak, self.free_bytes,
+                           False, suggestion)
+
+    def _largest(self, fits, upper: int) -> int:
+        """The largest ``n`` in ``[0, upper]`` with ``fits(n)`` (``fits`` monotone, decreasing in ``n``)."""
+        lo, hi = 0, upper + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def suggested_max_tokens(self, prompt_tokens: int, reused_tokens: int = 0, batch_kv_bytes: int = 0,
+                             limit: int = 1 << 20) -> int:
+        """The most new tokens that fit after this prompt (0: not even the prompt fits)."""
+        if not self._fits(prompt_tokens, 0, reused_tokens, batch_kv_bytes):
+            return 0
+        return self._largest(lambda n: self._fits(prompt_tokens, n, reused_tokens, batch_kv_bytes), limit)
+
+    def truncated_prompt(self, prompt_tokens: int, max_new_tokens: int, batch_kv_bytes: int = 0) -> int:
+        """The longest prefix of the prompt that fits with ``max_new_tokens`` (0 when none does)."""
+        return self._largest(lambda n: n > 0 and self._fits(n, max_new_tokens, 0, batch_kv_bytes), prompt_tokens)
+
+    def _fits(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int, batch_kv_bytes: int) -> bool:
+        peak = self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], batch_kv_bytes)
+        return peak <= self.budget_bytes
+
+    # ------------------------------------------------------------------ probing
+    @classmethod
+    def for_model(cls, model, memory_limit: int | None = None, margin: float = DEFAULT_MARGIN,
+                  reuse: bool = True) -> MemoryPlanner:
+        """Probe once: model shape from its config, free memory (CUDA ``mem_get_info``; on CPU
+        ``memory_limit`` or the cgroup limit / physical memory, minus what this process holds now)."""
+        import torch
+
+        first = next(model.parameters())
+        dtype = str(first.dtype).removeprefix("torch.")
+        held = sum(t.numel() * t.element_size() for t in model.parameters())
+        shape = ModelShape.from_config(model.config, dtype=dtype, weight_bytes=held)
+        if first.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(first.device)
+            free = min(free, memory_limit) if memory_limit else free
+        else:
+            from .probe import memory_limit_bytes
+
+            limit = memory_limit or memory_limit_bytes()
+            free = limit - process_rss_bytes()
+            if free <= 0:
+                logger.warning("the process already holds more than the memory limit; planning with 256 MiB")
+                free = 256 * MIB
+        return cls(shape, free, margin=margin, sliding_capped=not reuse)
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process now (0 when /proc is unavailable)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,79 @@
+"""MemoryPlanner: the prefill ladder on synthetic budgets, what reuse and the batch change, probing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvboost_hf.planner import ModelShape
+from kvboost_hf.planner.memory import MIB, MemoryPlanner
+from tests.conftest import make_tiny
+
+SHAPE = ModelShape(num_layers=18, num_kv_heads=1, head_dim=256, hidden_size=640, intermediate_size=2048,
+                   vocab_size=262_144, num_attention_heads=4, dtype_bytes=4, sliding_window=512, sliding_layers=15)
+
+
+def planner(free_mb: float, **kw) -> MemoryPlanner:
+    return MemoryPlanner(SHAPE, int(free_mb * MIB), margin=0.0, **kw)
+
+
+def test_roomy_budget_prefills_in_one_forward():
+    plan = planner(4096).plan(4096, 64)
+    assert plan.fits and plan.prefill_chunk_size is None and plan.generate_kwargs == {}
+
+
+def test_tight_budget_picks_the_largest_chunk_that_fits():
+    roomy = planner(10_000)
+    larger = roomy.peak_bytes(4096, 64, prefill_chunk_size=2048)
+    chunked = roomy.peak_bytes(4096, 64, prefill_chunk_size=1024)
+    budget_mb = (chunked + (larger - chunked) // 2) / MIB  # 1024 fits, 2048 does not
+    plan = planner(budget_mb).plan(4096, 64)
+    assert plan.fits and plan.prefill_chunk_size == 1024 and plan.generate_kwargs == {"prefill_chunk_size": 1024}
+    assert plan.predicted_peak_bytes == chunked <= plan.free_bytes
+
+
+def test_nothing_fits_suggests_a_size_that_does():
+    tight = planner(60)
+    plan = tight.plan(1200, 4000)
+    assert not plan.fits and 0 < plan.suggested_max_tokens < 4000
+    payload = plan.error_payload()
+    assert payload["prompt_tokens"] == 1200 and payload["predicted_peak_mb"] > payload["free_mb"] == 60.0
+    assert tight.plan(1200, plan.suggested_max_tokens).fits
+    assert not tight.plan(1200, plan.suggested_max_tokens + 1).fits
+    too_long = tight.plan(8192, 16)
+    assert not too_long.fits and too_long.suggested_max_tokens == 0  # the prompt alone does not fit
+    kept = tight.truncated_prompt(8192, 16)
+    assert 0 < kept < 8192 and tight.plan(kept, 16).fits and not tight.plan(kept + 1, 16).fits
+
+
+def test_reuse_lowers_the_forward_not_the_kv_and_the_batch_adds_up():
+    p = planner(10_000)
+    cold, warm = p.peak_bytes(2048, 32), p.peak_bytes(2048, 32, reused_tokens=1900)
+    assert warm < cold
+    assert cold - warm == p.forward_bytes(2048, 2048) - p.forward_bytes(148, 2048)
+    assert p.peak_bytes(2048, 32, batch_kv_bytes=5 * MIB) == cold + 5 * MIB
+    edge = planner(cold / MIB)
+    assert edge.plan(2048, 32).fits and not edge.plan(2048, 32, batch_kv_bytes=cold).fits
+
+
+def test_sliding_layers_cap_only_without_reuse():
+    assert planner(100, sliding_capped=True).kv_bytes(4096) < planner(100).kv_bytes(4096)
+    assert planner(100, sliding_capped=True).kv_bytes(256) == planner(100).kv_bytes(256)
+
+
+def test_plans_are_pure():
+    p = planner(60)
+    assert p.plan(3000, 16) == p.plan(3000, 16)
+    assert (p.free_bytes, p.margin) == (60 * MIB, 0.0)
+
+
+def test_probe_on_a_model_and_bad_inputs():
+    model = make_tiny("llama")
+    probed = MemoryPlanner.for_model(model, memory_limit=1 << 40)
+    assert probed.free_bytes > 0 and probed.shape.weight_bytes_exact == sum(p.numel() * 4 for p in model.parameters())
+    assert probed.plan(100, 10).fits
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        probed.plan(0, 10)
+    with pytest.raises(ValueError, match="free_bytes"):
+        MemoryPlanner(SHAPE, 0)
+    with pytest.raises(ValueError, match="margin"):
+        MemoryPlanner(SHAPE, MIB, margin=1.5)
