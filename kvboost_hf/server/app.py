@@ -13,6 +13,7 @@ import hmac
 import logging
 import math
 import time
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,10 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from ..planner.memory import MemoryPlanner
 from ..reuse import disable_chunk_reuse, enable_chunk_reuse
-from ..warm import warm
 from ..store import ChunkStore
+from ..warm import warm
 from . import schemas
+from .admission import Admitted, MemoryAdmission, MemoryCollector
 from .errors import APIError, install_error_handlers
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
 from .metrics import ServerMetrics
@@ -68,6 +71,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     if store.stats().get("remote") is not None:  # a shared Redis tier: its counters on /metrics too
         metrics.registry.register(RemoteStoreCollector(store))
     service = _Service(model, tokenizer, store, settings, queue, metrics)
+    if service.admission is not None:
+        metrics.registry.register(MemoryCollector(lambda: service.admission))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,6 +94,7 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.store = store
+    app.state.service = service
     install_error_handlers(app)
     app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics)
 
@@ -183,6 +189,10 @@ class _Service:
         self.created = int(time.time())
         limits = [v for v in (self.context, settings.max_prompt_tokens) if v is not None]
         self.prompt_limit = min(limits) if limits else None
+        self.admission: MemoryAdmission | None = None
+        if settings.plan_memory:
+            planner = MemoryPlanner.for_model(model, settings.memory_limit, reuse=settings.reuse)
+            self.admission = MemoryAdmission(planner, settings.auto_truncate, next(model.parameters()).device.type)
 
     # ------------------------------------------------------------------ small pieces
     def model_card(self) -> schemas.ModelCard:
@@ -202,6 +212,7 @@ class _Service:
                       "max_queue": self.queue.max_queue, "workers": self.queue.workers},
             **self.metrics.snapshot(),
             **({"streaming": streaming} if (streaming := streaming_snapshot(self.model)) is not None else {}),
+            **({"memory": self.admission.stats()} if self.admission is not None else {}),
         }
 
     def check_prompt_length(self, n: int) -> None:
@@ -297,14 +308,16 @@ class _Service:
         prompt_ids = await self.completion_prompt(body)
         self.check_prompt_length(len(prompt_ids))
         params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await self.generate(request, "/v1/completions", prompt_ids, params, body, chat=False)
+        admitted = self.admit(prompt_ids, params.max_tokens)
+        return await self.generate(request, "/v1/completions", admitted, params, body, chat=False)
 
     async def chat_completion(self, body: schemas.ChatCompletionRequest, request: Request):
         self.check_model_name(body.model)
         prompt_ids = await self.chat_prompt(body.messages)
         self.check_prompt_length(len(prompt_ids))
         params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens)
-        return await self.generate(request, "/v1/chat/completions", prompt_ids, params, body, chat=True)
+        admitted = self.admit(prompt_ids, params.max_tokens)
+        return await self.generate(request, "/v1/chat/completions", admitted, params, body, chat=True)
 
     async def warm(self, body: schemas.WarmRequest, request: Request) -> dict:
         if not self.settings.reuse:
@@ -333,18 +346,28 @@ class _Service:
         return {"object": "warm", "prompt_tokens": value.prompt_tokens, "reused_tokens": value.reused_tokens,
                 "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
 
-    async def generate(self, request: Request, route: str, prompt_ids: list[int], params: SamplingParams,
+    def admit(self, prompt_ids: list[int], max_tokens: int) -> Admitted:
+        """The memory planner's decision (413 when nothing fits); everything is admitted when planning is off."""
+        if self.admission is None:
+            return Admitted(prompt_ids, None)
+        return self.admission.admit(prompt_ids, max_tokens)
+
+    async def generate(self, request: Request, route: str, admitted: Admitted, params: SamplingParams,
                        body: schemas._SamplingRequest, chat: bool):
         arrival = time.perf_counter()
         deadline = arrival + self.settings.request_timeout
         stream = bool(body.stream)
+        prompt_ids = admitted.prompt_ids
+        headers = {} if admitted.truncated_from is None else {"X-Kvboost-Truncated-From": str(admitted.truncated_from)}
 
         def work(job: Job) -> Reply:
-            return generate_reply(
-                self.model, self.tokenizer, prompt_ids, params, self.eos_ids,
-                store=self.store if self.settings.reuse else None, cancelled=job.cancelled.is_set,
-                on_delta=(lambda piece: job.emit("delta", piece)) if stream else None,
-            )
+            with self.admission.running(admitted) if self.admission else contextlib.nullcontext():
+                return generate_reply(
+                    self.model, self.tokenizer, prompt_ids, params, self.eos_ids,
+                    store=self.store if self.settings.reuse else None, cancelled=job.cancelled.is_set,
+                    on_delta=(lambda piece: job.emit("delta", piece)) if stream else None,
+                    generate_kwargs=admitted.plan.generate_kwargs if admitted.plan else None,
+                )
 
         job = Job(work)
         self.submit(job)
@@ -358,7 +381,7 @@ class _Service:
                 return StreamingResponse(
                     self._sse(job, route, arrival, deadline, response_id, chat, body),
                     media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
                 )
             while True:
                 kind, value = await self.next_event(job, deadline, request)
@@ -373,15 +396,17 @@ class _Service:
         self._record(route, arrival, reply)
         usage = schemas.Usage.of(reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens)
         if chat:
-            return schemas.ChatCompletion(
+            payload: Any = schemas.ChatCompletion(
                 id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
                 choices=[schemas.ChatChoice(message=schemas.AssistantMessage(content=reply.text),
                                             finish_reason=reply.finish_reason)],
             )
-        return schemas.Completion(
-            id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
-            choices=[schemas.CompletionChoice(text=reply.text, finish_reason=reply.finish_reason)],
-        )
+        else:
+            payload = schemas.Completion(
+                id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
+                choices=[schemas.CompletionChoice(text=reply.text, finish_reason=reply.finish_reason)],
+            )
+        return JSONResponse(payload.model_dump(mode="json"), headers=headers) if headers else payload
 
     def _early_end(self, job: Job, kind: str, value: Any) -> Response:
         """A job that ended before producing a reply: failed, skipped, or its client left."""

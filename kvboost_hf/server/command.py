@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..planner.probe import parse_bytes
 from .settings import RECOMPUTE_STRATEGIES
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request may take, queueing included; then 504 (default 600)")
     limits.add_argument("--default-max-tokens", type=int, default=256,
                         help="reply length for chat requests that set no max_tokens (default 256)")
+    limits.add_argument("--memory-limit", default=None, metavar="SIZE",
+                        help="memory requests may use, e.g. 20GiB (default: CUDA free memory, or the cgroup limit / "
+                             "physical memory); requests predicted not to fit get 413")
+    limits.add_argument("--auto-truncate", action="store_true",
+                        help="instead of 413, keep the longest prompt prefix that fits (header X-Kvboost-Truncated-From)")
+    limits.add_argument("--no-memory-planning", action="store_true", help="admit every request without a memory plan")
     limits.add_argument("--workers", type=int, default=None,
                         help="requests generated at once, one model.generate each (default: the CPU cores)")
     limits.add_argument("--torch-threads", type=int, default=None,
@@ -186,6 +193,9 @@ def serve(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             default_max_tokens=args.default_max_tokens,
             recompute_strategy=args.recompute_strategy,
+            plan_memory=not args.no_memory_planning,
+            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+            auto_truncate=args.auto_truncate,
             **worker_settings(args, model_device),
         )
     except ValueError as err:

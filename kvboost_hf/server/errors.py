@@ -35,8 +35,10 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict | None = None,
     ) -> None:
         super().__init__(message)
+        self.details = details or {}
         self.status = status
         self.message = message
         self.param = param
@@ -45,7 +47,9 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
+        body = error_body(self.message, self.type, self.param, self.code)
+        body["error"].update(self.details)  # e.g. the memory planner's figures on a 413
+        return body
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -161,13 +161,15 @@ def generate_reply(
     store=None,
     cancelled: Callable[[], bool] = lambda: False,
     on_delta: Callable[[str], None] | None = None,
+    generate_kwargs: dict | None = None,
 ) -> Reply:
     """Run one ``model.generate`` call for ``prompt_ids`` (batch 1) on a worker thread.
 
     ``on_delta`` receives the visible text piece by piece (streaming); the returned
     :class:`Reply` holds the whole text, token counts, and the prompt tokens reused from the
     store. With reuse enabled, the request gets its own ``ChunkReuseCache`` (the explicit
-    form), whose ``stats`` are this call's even while other workers generate.
+    form), whose ``stats`` are this call's even while other workers generate. ``generate_kwargs``
+    (the memory planner's choices, e.g. ``prefill_chunk_size``) are passed on to generate.
     """
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     reply = ReplyText(tokenizer, params.stop)
@@ -179,6 +181,7 @@ def generate_reply(
         streamer=streamer,
         pad_token_id=_pad_id(model, tokenizer, eos_ids),
         eos_token_id=None if params.ignore_eos else eos_ids,
+        **(generate_kwargs or {}),  # the memory plan: e.g. prefill_chunk_size
     )
     if params.temperature > 0:
         kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)

@@ -22,7 +22,9 @@ class ServerSettings:
     ``reuse=False`` serves without ``enable_chunk_reuse`` (for A/B measurements).
     ``workers`` requests run at once, each in its own ``model.generate`` call; ``torch_threads``
     (None: leave torch's setting) is applied with ``torch.set_num_threads`` while the app runs
-    (process wide) and restored at shutdown.
+    (process wide) and restored at shutdown. ``plan_memory`` predicts each request's peak
+    memory and refuses (413) or, with ``auto_truncate``, truncates what cannot fit into
+    ``memory_limit`` bytes (None: CUDA free memory, or the cgroup limit / physical memory).
     """
 
     model_name: str = "kvboost-hf"
@@ -35,6 +37,9 @@ class ServerSettings:
     recompute_strategy: str = "exact"
     workers: int = 1
     torch_threads: int | None = None
+    plan_memory: bool = True
+    memory_limit: int | None = None
+    auto_truncate: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in RECOMPUTE_STRATEGIES:
@@ -51,5 +56,7 @@ class ServerSettings:
             raise ValueError(f"max_queue must be a non-negative int, got {self.max_queue!r}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout!r}")
+        if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit < 1):
+            raise ValueError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
         if self.api_key == "":
             self.api_key = None
