@@ -1,5 +1,6 @@
 """kvboost_hf: cross-request KV-cache reuse for Hugging Face transformers."""
 
+from . import attention
 from .cache import ChunkReuseCache
 from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats
 from .state import refresh_namespace
@@ -8,6 +9,10 @@ from .telemetry import ReuseStats
 from .warm import warm
 
 __version__ = "0.1.0"
+
+# `kvboost_sdpa` (used by recompute_strategy="cacheblend") is known as soon as kvboost_hf is
+# imported, so a pickled cacheblend-enabled model loads in any process that imports kvboost_hf.
+attention.register()
 
 __all__ = [
     "ChunkReuseCache",

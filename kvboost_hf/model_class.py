@@ -6,6 +6,10 @@ rather than on the instance means nothing unpicklable sits in the instance ``__d
 besides the reuse state, and that is left out when the model is copied or pickled:
 ``copy.deepcopy(model)`` and ``torch.save(model)`` give (and store) the plain model, without
 reuse hooks, state or store. Reuse is not inherited by a copy; enable it on the copy if wanted.
+One exception: with ``recompute_strategy="cacheblend"`` the model's config names the attention
+implementation ``kvboost_sdpa`` (the config object is shared with every layer, so it cannot be
+swapped for the pickle); such a pickle loads where ``kvboost_hf`` is imported, or disable reuse
+before saving.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class ReuseGenerateMixin:
 
         ``copyreg._reconstructor`` is what protocol 0/1 pickles use for any object; unlike
         ``__newobj__`` it may build another class than ``type(self)``, and loading the pickle
-        needs only the model's own class, not kvboost_hf.
+        needs only the model's own class, not kvboost_hf (cacheblend aside: see the module doc).
         """
         return copyreg._reconstructor, (self._kvboost_base, object, None), plain_state(self)
 

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 def _target(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model whose forward generate calls (unwraps peft models)."""
+    """The transformers model whose forward generate calls (unwraps torch.compile and peft wrappers)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     if not hasattr(model, "generate") or not isinstance(model, torch.nn.Module):

@@ -145,3 +145,66 @@ def test_torch_save_and_pickle_of_an_enabled_model_give_the_plain_model():
         assert torch.equal(other.generate(ids, **GREEDY), ref)
     disable_chunk_reuse(model)
     assert type(model) is type(loaded)
+
+
+# ---------------------------------------------------------------------- what an adversarial review found
+def test_peft_adapter_rescaling_changes_the_namespace():
+    from peft import LoraConfig, get_peft_model
+    from peft.helpers import rescale_adapter_scale
+
+    lora = get_peft_model(make_tiny("llama", seed=3), LoraConfig(r=4, target_modules=["k_proj", "v_proj"],
+                                                                  init_lora_weights=False, lora_alpha=64)).eval()
+    ids = prompt()
+    with rescale_adapter_scale(lora, 5.0):
+        ref = lora.generate(input_ids=ids, **GREEDY)
+    enable_chunk_reuse(lora, ChunkStore(max_bytes=10**8, chunk_size=8))
+    lora.generate(input_ids=ids, **GREEDY)  # stored at scale 1
+    with rescale_adapter_scale(lora, 5.0):
+        out = lora.generate(input_ids=ids, **GREEDY)
+        reused = last_request_stats(lora).reused_tokens
+    disable_chunk_reuse(lora)
+    assert reused == 0 and torch.equal(out, ref)
+
+
+def test_a_compiled_model_gets_reuse():
+    compiled = torch.compile(make_tiny("llama"), backend="eager")
+    ids = prompt()
+    ref = compiled.generate(ids, **GREEDY)
+    enable_chunk_reuse(compiled, ChunkStore(max_bytes=10**8, chunk_size=8))
+    compiled.generate(ids, **GREEDY)
+    out = compiled.generate(ids, **GREEDY)
+    assert last_request_stats(compiled).reused_tokens == ids.shape[1] - 1
+    disable_chunk_reuse(compiled)
+    assert torch.equal(out, ref)
+
+
+def test_buffers_replaced_under_inference_mode_do_not_break_requests():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()  # dynamic RoPE re-registers inv_freq past 64 positions
+    enable_chunk_reuse(model, ChunkStore(max_bytes=10**8, chunk_size=8))
+    for n in (40, 100, 40):
+        with torch.inference_mode():
+            out = model.generate(random_ids(n, n), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == n + 2
+
+
+def test_a_pickled_cacheblend_model_loads_where_kvboost_is_imported(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = make_tiny("llama")
+    enable_chunk_reuse(model, ChunkStore(max_bytes=10**8, chunk_size=8), recompute_strategy="cacheblend")
+    torch.save(model, tmp_path / "model.pt")
+    code = ("import kvboost_hf, torch; m = torch.load('model.pt', weights_only=False); "
+            "print(m.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False).shape[1])")
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "5"

@@ -50,16 +50,26 @@ def precision_of(metadata: dict[str, str]) -> int | None:
 
 
 def record_of(key: Key, meta: dict[str, str], nbytes: int) -> DiskRecord:
-    """The record of a blob stored under ``key``; CorruptEntry unless its header names the same key."""
-    if meta.get("format") != FORMAT or meta.get("key") != key.hex():
-        raise CorruptEntry("wrong format, or the file holds another entry than its name says")
-    parent, tokens = bytes.fromhex(meta["parent"]), tuple(json.loads(meta["tokens"]))
-    if not tokens or chunk_key(parent, tokens) != key:
-        raise CorruptEntry("key does not match its parent and tokens")
-    return DiskRecord(
-        key=key, parent=parent, namespace=bytes.fromhex(meta["namespace"]), token_ids=tokens, nbytes=nbytes,
-        start=int(meta.get("start", 0)), bits=precision_of(meta), pinned=meta.get("pinned") == "1",
-    )
+    """The record of a blob stored under ``key``; CorruptEntry unless it is well formed and names the same key.
+
+    Headers are untrusted input (a file or a Redis value anyone may have written): every field is
+    type-checked, and any parsing failure is a CorruptEntry, never another exception.
+    """
+    try:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("key") != key.hex():
+            raise CorruptEntry("wrong format, or the blob holds another entry than its name says")
+        parent, tokens = bytes.fromhex(meta["parent"]), json.loads(meta["tokens"])
+        if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+            raise CorruptEntry("token ids are not a list of ints")
+        tokens = tuple(tokens)
+        if chunk_key(parent, tokens) != key:
+            raise CorruptEntry("key does not match its parent and tokens")
+        return DiskRecord(
+            key=key, parent=parent, namespace=bytes.fromhex(meta["namespace"]), token_ids=tokens, nbytes=nbytes,
+            start=int(meta.get("start", 0)), bits=precision_of(meta), pinned=meta.get("pinned") == "1",
+        )
+    except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as err:
+        raise CorruptEntry(f"malformed header: {type(err).__name__}: {err}") from err
 
 
 def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
@@ -83,9 +93,12 @@ def read_header(data: bytes) -> dict:
     if n <= 0 or 8 + n > len(data):
         raise CorruptEntry("header length out of range")
     try:
-        return json.loads(data[8 : 8 + n])
+        header = json.loads(data[8 : 8 + n])
     except ValueError as err:
         raise CorruptEntry(f"unreadable header: {err}") from err
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+        raise CorruptEntry("header is not a safetensors header")
+    return header
 
 
 def encode_entry(key: Key, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -106,6 +119,6 @@ def decode_entry(key: Key, data: bytes) -> tuple[dict[str, torch.Tensor], dict[s
             raise CorruptEntry(f"unreadable tensors: {err}") from err
         if checksum(tensors, metadata) != metadata.get("checksum"):
             raise CorruptEntry("checksum mismatch")
-    except (KeyError, ValueError) as err:
-        raise CorruptEntry(f"malformed metadata: {err}") from err
+    except (KeyError, ValueError, TypeError, AttributeError) as err:
+        raise CorruptEntry(f"malformed metadata: {type(err).__name__}: {err}") from err
     return tensors, metadata

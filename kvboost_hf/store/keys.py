@@ -135,6 +135,17 @@ def active_adapters(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
+def adapter_scales(model: torch.nn.Module) -> str:
+    """A digest of every active peft adapter's scaling per layer (``rescale_adapter_scale``, ``set_scale``
+    change it without touching any weight); empty without peft."""
+    parts = []
+    for module in model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and hasattr(module, "active_adapters") and not getattr(module, "disable_adapters", True):
+            parts.append(repr(sorted((str(k), float(v)) for k, v in scaling.items() if not isinstance(v, torch.Tensor))))
+    return xxhash.xxh3_64_hexdigest("|".join(parts).encode()) if parts else ""
+
+
 def _sampled_values(tensors: list[torch.Tensor]) -> bytes:
     """A strided sample of every tensor's values: catches most edits that bypass version counters."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -161,9 +172,11 @@ def model_state_token(model: torch.nn.Module) -> tuple:
     tensors = [t for _, t in state_tensors(model)]
     config = getattr(model, "config", None)
     return (
-        tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors),
+        # Inference tensors (made under torch.inference_mode) have no version counter: pointer and samples only.
+        tuple((-1 if t.is_inference() else t._version, t.data_ptr(), t.dtype, t.device) for t in tensors),
         xxhash.xxh3_64_digest(_sampled_values(tensors)),
         tuple(active_adapters(model)),
+        adapter_scales(model),
         getattr(config, "_attn_implementation", None),
         config_digest(model),
     )
@@ -188,6 +201,7 @@ def model_namespace(model: torch.nn.Module, extra: dict[str, Any] | None = None)
         "dtype": str(first.dtype) if first is not None else None,
         "device_type": first.device.type if first is not None else None,
         "adapters": active_adapters(model),
+        "adapter_scales": adapter_scales(model),
         "attn_implementation": _attention_family(model),
     }
     if extra:

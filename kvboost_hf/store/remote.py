@@ -5,8 +5,11 @@ allkeys-lru``, bounds the memory, and the client never assumes a key is still th
 
 - ``{prefix}:kv:{bits}:{key}``: the chunk's verified blob (:mod:`.entry_bytes`), one key per
   storage precision (``none``, ``8``, ``4``), so a lossless store never even reads a lossy entry;
-- ``{prefix}:next:{parent}``: a hash from each known successor's key to its token ids, which
-  is how a lookup walks a chain it has never seen locally.
+- ``{prefix}:next:{parent}:{anchor}``: a hash from each known successor's key to its token ids,
+  where ``anchor`` hashes the successor's first ``ANCHOR_TOKENS`` tokens: how a lookup walks a
+  chain it has never seen locally, reading only the successors that can match (conversations
+  after one shared system prompt do not pile up in one hash). Its token ids are a hint only:
+  the matched length always comes from the verified blob.
 
 Reads are synchronous with short timeouts (they are on the request's path, and cheaper than
 recomputing); writes go through a bounded queue to one background thread, never on the
@@ -25,6 +28,8 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
+import xxhash
+
 import torch
 
 from .entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
@@ -34,16 +39,26 @@ from .keys import Key
 logger = logging.getLogger(__name__)
 
 PRECISIONS = (None, 8, 4)  # most precise first
+ANCHOR_TOKENS = 8  # successors are indexed by their first tokens (at most the chunk size); shorter ones are not shared
+MAX_SUCCESSORS = 64  # successors read per step at most (HSCAN), whatever a hash holds
 
 
 def redact(url: str) -> str:
-    """``url`` without its password (for logs and errors)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """``url`` without its password (in the user info or as a ``password=`` query parameter)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}{':***' if colon else ''}@{host}"
+    query = "&".join(
+        f"{k}=***" if k.lower() in ("password", "pass", "pwd") else f"{k}{'=' if sep else ''}{v}"
+        for k, sep, v in (item.partition("=") for item in parts.query.split("&") if item)
+    )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def _bits_name(bits: int | None) -> str:
@@ -80,7 +95,7 @@ class RemoteTier:
     """Chunk blobs in Redis under ``prefix``; every call is bounded and never raises for Redis trouble."""
 
     def __init__(self, url: str, prefix: str = "kvboost", *, ttl_s: int = 7 * 24 * 3600, timeout_s: float = 0.25,
-                 max_pending_writes: int = 256, client=None) -> None:
+                 max_pending_bytes: int = 64 << 20, anchor_tokens: int = ANCHOR_TOKENS, client=None) -> None:
         import redis  # noqa: PLC0415 - optional dependency: pip install 'kvboost_hf[redis]'
 
         self.url = redact(url)
@@ -90,11 +105,16 @@ class RemoteTier:
         self._client = client or redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
         )
+        self.timeout_s = timeout_s
+        self.anchor_tokens = anchor_tokens
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()
         self.breaker = CircuitBreaker()
         self.counts = dict.fromkeys(
             ("reads", "hits", "writes", "write_errors", "writes_dropped", "corrupt_dropped", "errors", "skipped"), 0
         )
-        self._pending: queue.Queue = queue.Queue(maxsize=max_pending_writes)
+        self._pending: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kvboost-remote-writer", daemon=True)
         self._writer.start()
 
@@ -102,8 +122,9 @@ class RemoteTier:
     def _kv(self, key: Key, bits: int | None) -> str:
         return f"{self.prefix}:kv:{_bits_name(bits)}:{key.hex()}"
 
-    def _next(self, parent: Key) -> str:
-        return f"{self.prefix}:next:{parent.hex()}"
+    def _next(self, parent: Key, tokens) -> str:
+        anchor = xxhash.xxh3_64_hexdigest(json.dumps(list(tokens[: self.anchor_tokens])).encode())
+        return f"{self.prefix}:next:{parent.hex()}:{anchor}"
 
     # ------------------------------------------------------------------ guarded calls
     def _call(self, what: str, fn):
@@ -123,28 +144,38 @@ class RemoteTier:
         return result
 
     # ------------------------------------------------------------------ read
-    def successors(self, parent: Key) -> dict[Key, tuple[int, ...]]:
-        """Known successors of ``parent`` and their token ids (empty when unknown or unavailable)."""
-        raw = self._call("lookup", lambda: self._client.hgetall(self._next(parent)))
+    def successors(self, parent: Key, ids: tuple[int, ...]) -> dict[Key, tuple[int, ...]]:
+        """Successors of ``parent`` whose first tokens are those of ``ids`` (at most ``MAX_SUCCESSORS``),
+        with the token ids their index entry claims (a hint: never trusted for the match)."""
+        if len(ids) < self.anchor_tokens:
+            return {}
+        name = self._next(parent, ids)
+        raw = self._call("lookup", lambda: self._client.hscan(name, 0, count=MAX_SUCCESSORS)[1])
         out = {}
-        for k, v in (raw or {}).items():
+        for k, v in list((raw or {}).items())[:MAX_SUCCESSORS]:
             try:
-                out[bytes.fromhex(k.decode())] = tuple(json.loads(v))
-            except (ValueError, UnicodeDecodeError):
-                continue
+                tokens = json.loads(v)
+                if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+                    raise ValueError("not a list of token ids")
+                out[bytes.fromhex(k.decode())] = tuple(tokens)
+            except (ValueError, TypeError, UnicodeDecodeError):
+                self._call("cleanup", lambda f=k: self._client.hdel(name, f))  # a malformed entry: drop it
         return out
 
-    def best_successor(self, parent: Key, ids: tuple[int, ...]) -> tuple[Key, int] | None:
-        """``(key, tokens matched)`` of the successor of ``parent`` matching the most of ``ids`` (complete chunks win ties)."""
+    def best_successor(self, parent: Key, ids: tuple[int, ...]) -> Key | None:
+        """The successor of ``parent`` whose claimed tokens match the most of ``ids`` (complete chunks win ties)."""
         best, best_n = None, 0
-        for key, tokens in self.successors(parent).items():
+        for key, tokens in self.successors(parent, ids).items():
             n = common_prefix_length(tokens, ids)
             if n > best_n or (n == best_n and best is not None and len(tokens) == n):
                 best, best_n = key, n
-        return None if best is None else (best, best_n)
+        return best
 
-    def read(self, key: Key, namespace: Key, accepts: Callable[[int | None], bool]):
-        """Verified tensors and metadata of ``key`` at the most precise precision ``accepts``, or None."""
+    def read(self, key: Key, namespace: Key, accepts: Callable[[int | None], bool], parent: Key | None = None,
+             ids: tuple[int, ...] = ()):
+        """Verified tensors and metadata of ``key`` at the most precise precision ``accepts``, or None.
+
+        A hit refreshes the TTL of the blob and of the successor index it was found through."""
         wanted = [bits for bits in PRECISIONS if accepts(bits)]
         names = [self._kv(key, bits) for bits in wanted]
         blobs = self._call("read", lambda: self._client.mget(names))
@@ -163,10 +194,21 @@ class RemoteTier:
                 logger.warning("dropping corrupt remote entry %s: %s", name, err)
                 self._call("delete", lambda n=name: self._client.delete(n))
                 continue
-            if metadata["namespace"] != namespace.hex():
-                return None  # keys are chained from the namespace: only a forged blob gets here
+            if metadata["namespace"] != namespace.hex():  # keys chain from the namespace: only a forged blob
+                self.counts["corrupt_dropped"] += 1
+                logger.warning("dropping remote entry %s: it belongs to another namespace", name)
+                self._call("delete", lambda n=name: self._client.delete(n))
+                continue
             self.counts["hits"] += 1
-            self._call("touch", lambda n=name: self._client.expire(n, self.ttl_s))
+            names = [name] + ([self._next(parent, ids)] if parent is not None and len(ids) >= self.anchor_tokens else [])
+
+            def touch():
+                pipe = self._client.pipeline(transaction=False)
+                for n in names:
+                    pipe.expire(n, self.ttl_s)
+                return pipe.execute()
+
+            self._call("touch", touch)
             return tensors, metadata
         return None
 
@@ -177,10 +219,15 @@ class RemoteTier:
         if not self.breaker.allow():
             self.counts["skipped"] += 1
             return
-        try:
-            self._pending.put_nowait((key, parent, token_ids, bits, tensors, metadata))
-        except queue.Full:
-            self.counts["writes_dropped"] += 1
+        if len(token_ids) < self.anchor_tokens:
+            return  # too short to be indexed: a final partial chunk of a few tokens
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self._pending_lock:
+            if self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.counts["writes_dropped"] += 1
+                return
+            self._pending_bytes += nbytes
+        self._pending.put_nowait((nbytes, (key, parent, token_ids, bits, tensors, metadata)))
 
     def _write_loop(self) -> None:
         while True:
@@ -188,7 +235,10 @@ class RemoteTier:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                nbytes, args = item
+                self._write(*args)
+                with self._pending_lock:
+                    self._pending_bytes -= nbytes
             finally:
                 self._pending.task_done()
 
@@ -198,8 +248,8 @@ class RemoteTier:
         def put():
             pipe = self._client.pipeline(transaction=False)
             pipe.set(self._kv(key, bits), blob, ex=self.ttl_s)
-            pipe.hset(self._next(parent), key.hex(), json.dumps(list(token_ids)))
-            pipe.expire(self._next(parent), self.ttl_s)
+            pipe.hset(self._next(parent, token_ids), key.hex(), json.dumps(list(token_ids)))
+            pipe.expire(self._next(parent, token_ids), self.ttl_s)
             return pipe.execute()
 
         if self._call("write", put) is None:
@@ -207,9 +257,9 @@ class RemoteTier:
         else:
             self.counts["writes"] += 1
 
-    def forget_successor(self, parent: Key, key: Key) -> None:
-        """Drop a successor whose blob is gone (expired or evicted by Redis)."""
-        self._call("cleanup", lambda: self._client.hdel(self._next(parent), key.hex()))
+    def forget_successor(self, parent: Key, ids: tuple[int, ...], key: Key) -> None:
+        """Drop a successor entry that points nowhere useful (its blob is gone, or it lied about its tokens)."""
+        self._call("cleanup", lambda: self._client.hdel(self._next(parent, ids), key.hex()))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until queued writes are done (tests, benchmarks, shutdown); False on timeout."""
@@ -222,10 +272,8 @@ class RemoteTier:
 
     def close(self) -> None:
         self.flush(timeout_s=2.0)
-        try:
-            self._pending.put_nowait(None)
-        except queue.Full:
-            pass
+        self._pending.put_nowait(None)
 
     def stats(self) -> dict:
-        return {**self.counts, "pending_writes": self._pending.unfinished_tasks, "available": not self.breaker.is_open}
+        return {**self.counts, "pending_writes": self._pending.unfinished_tasks, "pending_bytes": self._pending_bytes,
+                "available": not self.breaker.is_open}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -12,9 +13,10 @@ import torch
 from .codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk, from_tensors, to_tensors
 from .disk import DiskTier
 from .eviction import ram_victim
-from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry
+from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry, common_prefix_length
 from .keys import Key, chunk_key, segment_spans
 from .quant import default_group_size
+from .remote import ANCHOR_TOKENS as REMOTE_ANCHOR_TOKENS
 from .remote import RemoteTier
 from .settings import StoreSettings
 
@@ -24,6 +26,15 @@ __all__ = ["ENTRY_OVERHEAD_BYTES", "ChunkHit", "ChunkStore", "StoredChunk"]
 
 LayerStates = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Per-layer keys and values of one chunk, each ``[num_kv_heads, num_tokens, head_dim]``."""
+
+
+def _chunk_from(key: Key, loaded) -> StoredChunk | None:
+    """A verified blob's chunk, or None when its (checksummed but forged) layout does not decode."""
+    try:
+        return from_tensors(key, *loaded)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError) as err:
+        logger.warning("a stored entry passed its checksum but does not decode (%s); not used", err)
+        return None
 
 
 def _precision_rank(bits: int | None) -> int:
@@ -95,7 +106,8 @@ class ChunkStore:
         self._remote: RemoteTier | None = None
         if remote is not None:
             self._remote = RemoteTier(remote, remote_prefix, ttl_s=settings.remote_ttl_s,
-                                      timeout_s=settings.remote_timeout_s)
+                                      timeout_s=settings.remote_timeout_s,
+                                      anchor_tokens=min(REMOTE_ANCHOR_TOKENS, self.chunk_size))
         if disk_path is not None:
             self._disk = DiskTier(disk_path, settings.max_disk_bytes or 10 * self.max_bytes, read_only=self._read_only)
             self._refresh_disk_index()
@@ -174,6 +186,8 @@ class ChunkStore:
                 self._refresh_disk_index()
             ids, pos, parent = tuple(token_ids[:limit]), 0, namespace
             chain: set[Key] = set()
+            # Remote steps stop after this budget: a slow Redis costs a bounded delay per lookup.
+            remote_deadline = time.monotonic() + max(1.0, 8 * self.settings.remote_timeout_s)
             while pos < limit:
                 ended = False  # the chain ends inside a chunk: nothing can follow
                 for key, used in self._index.match_path(parent, ids, self.chunk_size, pos):
@@ -185,7 +199,8 @@ class ChunkStore:
                     pos, parent, ended = pos + used, key, used < entry.num_tokens
                     if ended:
                         break
-                found = None if ended or pos >= limit else self._remote_step(namespace, parent, ids, pos, chain)
+                remote = not ended and pos < limit and time.monotonic() < remote_deadline
+                found = self._remote_step(namespace, parent, ids, pos, chain) if remote else None
                 if found is None:
                     break
                 entry, used = found
@@ -202,22 +217,25 @@ class ChunkStore:
 
     def _remote_step(self, namespace: Key, parent: Key, ids: tuple[int, ...], pos: int, protected: set[Key]):
         """``(entry, tokens used)``: the successor of ``parent`` in the remote tier matching the most of
-        ``ids[pos:]``, verified and promoted to RAM; None when there is none (or the tier is unavailable)."""
+        ``ids[pos:]``, verified and promoted to RAM (and the disk tier); None when there is none."""
         if self._remote is None:
             return None
-        found = self._remote.best_successor(parent, ids[pos:])
-        if found is None:
+        rest = ids[pos:]
+        best = self._remote.best_successor(parent, rest)
+        if best is None:
             return None
-        best, best_n = found
-        loaded = self._remote.read(best, namespace, self.accepts)
+        loaded = self._remote.read(best, namespace, self.accepts, parent, rest)
         if loaded is None:
             return None
-        entry = from_tensors(best, *loaded)
-        if entry.parent != parent or not self.accepts(entry.bits):
+        entry = _chunk_from(best, loaded)
+        used = common_prefix_length(entry.token_ids, rest) if entry is not None else 0  # the blob's tokens, not the index's
+        if entry is None or entry.parent != parent or used == 0 or not self.accepts(entry.bits):
+            self._remote.forget_successor(parent, rest, best)
             return None
         if best not in self._ram and self._make_room(entry.nbytes, protected):
             self._add_ram(entry)
-        return self._ram.get(best, entry), best_n
+            self._write_disk(entry)  # a restarted process finds it locally; its chain stays whole on disk
+        return self._ram.get(best, entry), used
 
     def lookup_content(
         self, namespace: Key, token_ids: Sequence[int], start: int, stop: int, min_tokens: int = 16
@@ -274,8 +292,8 @@ class ChunkStore:
             if not self._disk.has(key):
                 self._forget(key)  # deleted by the disk budget, another process, or corrupt
             return None
-        entry = from_tensors(key, *loaded)
-        if not self.accepts(entry.bits):
+        entry = _chunk_from(key, loaded)
+        if entry is None or not self.accepts(entry.bits):
             # Replaced since it was indexed by a less precise entry (another store's): not for us.
             self._forget(key, delete_files=False)
             return None

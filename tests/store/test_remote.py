@@ -19,7 +19,8 @@ TOKENS = list(range(10, 22))  # three 4-token chunks
 
 
 def replica(url: str, prefix: str, **kw) -> ChunkStore:
-    return ChunkStore(chunk_size=4, remote=url, remote_prefix=prefix, **kw)
+    kw.setdefault("chunk_size", 4)
+    return ChunkStore(remote=url, remote_prefix=prefix, **kw)
 
 
 @pytest.fixture
@@ -50,11 +51,16 @@ def test_a_replica_reuses_what_another_stored(redis_url, prefix):
 
 
 def test_partial_chain_and_other_prefixes_stay_apart(redis_url, prefix):
-    writer = replica(redis_url, prefix)
-    put(writer, TOKENS)
+    tokens = list(range(10, 42))  # two 16-token chunks
+    writer = replica(redis_url, prefix, chunk_size=16)
+    put(writer, tokens)
     assert writer.flush()
-    assert sum(h.num_tokens for h in replica(redis_url, prefix).lookup(NS, TOKENS[:6] + [99, 98])) == 6
-    assert replica(redis_url, prefix + "-other").lookup(NS, TOKENS) == []
+    # Successors are indexed by their first 8 tokens: a prompt leaving the chain after them still hits.
+    partial = replica(redis_url, prefix, chunk_size=16).lookup(NS, tokens[:27] + [99, 98])
+    assert [h.num_tokens for h in partial] == [16, 11]
+    early = replica(redis_url, prefix, chunk_size=16).lookup(NS, tokens[:20] + [99] * 10)
+    assert [h.num_tokens for h in early] == [16]  # left within the anchor: that chunk is not found remotely
+    assert replica(redis_url, prefix + "-other", chunk_size=16).lookup(NS, tokens) == []
 
 
 def test_lossless_store_never_takes_lossy_entries(redis_url, prefix):
@@ -237,3 +243,112 @@ def test_a_successor_whose_blob_is_gone_is_a_plain_miss(redis_url, prefix):
     reader = replica(redis_url, prefix)
     assert sum(h.num_tokens for h in reader.lookup(NS, TOKENS)) == 8
     assert reader.stats()["remote"]["corrupt_dropped"] == 0 and reader.stats()["remote"]["errors"] == 0
+
+
+# ---------------------------------------------------------------------- what an adversarial review found
+def test_a_forged_successor_entry_never_changes_output(redis_url, prefix):
+    """The successor index is a hint: the matched length comes from the verified blob's own tokens."""
+    import json
+
+    from kvboost_hf.state import namespace
+
+    model = make_tiny("llama")
+    a, b1, b2, tail = random_ids(16, 1), random_ids(16, 2), random_ids(16, 3), random_ids(4, 9)
+    first, second = torch.cat([a, b1, tail], 1), torch.cat([a, b2, tail], 1)
+    ref = model.generate(second, max_new_tokens=8, do_sample=False)
+    writer = ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix)
+    enable_chunk_reuse(model, writer)
+    model.generate(first, max_new_tokens=1, do_sample=False)
+    assert writer.flush()
+    client = redis.Redis.from_url(redis_url)
+    root = writer.lookup(namespace(model), a[0].tolist())[0].chunk.key
+    genuine = next(iter(client.hgetall(next(iter(client.keys(f"{prefix}:next:{root.hex()}:*"))))))
+    # An entry filed where b2's continuation would be looked up, claiming b1's chunk holds b2's tokens.
+    index = writer._remote._next(root, tuple(b2[0].tolist()))
+    client.hset(index, genuine, json.dumps(b2[0].tolist()))
+    reader = ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix)
+    enable_chunk_reuse(model, reader)
+    out = model.generate(second, max_new_tokens=8, do_sample=False)
+    stats = last_request_stats(model)
+    disable_chunk_reuse(model)
+    assert torch.equal(out, ref) and stats.reused_tokens == 16
+    assert not client.hexists(index, genuine)  # the lying entry is dropped
+
+
+def test_malformed_index_entries_and_crafted_headers_are_dropped(redis_url, prefix, tmp_path):
+    import json
+    import os
+    import struct
+
+    from kvboost_hf.state import namespace
+
+    model = make_tiny("llama")
+    store = ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix)
+    enable_chunk_reuse(model, store)
+    ids = random_ids(40, 1)
+    anchor_key = store._remote._next(namespace(model), tuple(ids[0].tolist()))
+    redis.Redis.from_url(redis_url).hset(anchor_key, "ab" * 16, "5")  # not a list of token ids
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] == 42
+    disable_chunk_reuse(model)
+    key = os.urandom(16).hex()
+    header = json.dumps({"__metadata__": {"format": "kvboost-chunk-1", "key": key, "parent": key, "namespace": key,
+                                          "tokens": "7"}}).encode()
+    (tmp_path / f"{key}.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (tmp_path / f"{'cd' * 16}.safetensors").write_bytes(struct.pack("<Q", 2) + b"[]")
+    disk = ChunkStore(chunk_size=16, disk_path=tmp_path)
+    assert disk.stats()["corrupt_dropped"] == 2 and disk.stats()["disk_entries"] == 0
+
+
+def test_hits_keep_their_successor_index_alive(redis_url, prefix):
+    writer = replica(redis_url, prefix)
+    put(writer, TOKENS)
+    assert writer.flush()
+    client = redis.Redis.from_url(redis_url)
+    for name in client.keys(f"{prefix}:next:*"):
+        client.expire(name, 5)
+    assert len(replica(redis_url, prefix).lookup(NS, TOKENS)) == 3
+    assert all(client.ttl(name) > 3600 for name in client.keys(f"{prefix}:next:*"))
+
+
+def test_pending_writes_are_bounded_in_bytes(redis_url, prefix, monkeypatch):
+    import threading
+
+    from kvboost_hf.store import remote as remote_module
+
+    gate = threading.Event()
+    real_write = remote_module.RemoteTier._write
+    monkeypatch.setattr(remote_module.RemoteTier, "_write", lambda self, *a: (gate.wait(30), real_write(self, *a)))
+    store = ChunkStore(chunk_size=4, remote=redis_url, remote_prefix=prefix)
+    store._remote.max_pending_bytes = 500  # a fake chunk here holds 2 layers x K/V x 4 tokens x 4 x 4 bytes = 256
+    for i in range(6):
+        put(store, [60 + i] + TOKENS[:3])
+    remote = store.stats()["remote"]
+    assert remote["pending_bytes"] <= 500 and remote["writes_dropped"] >= 4
+    gate.set()
+    assert store.flush() and store.stats()["remote"]["pending_bytes"] == 0
+
+
+def test_chunks_promoted_from_redis_are_written_to_the_disk_tier(redis_url, prefix, tmp_path):
+    model = make_tiny("llama")
+    history = random_ids(40, 1)
+    first = ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix)
+    enable_chunk_reuse(model, first)
+    model.generate(history, max_new_tokens=2, do_sample=False)
+    assert first.flush()
+    enable_chunk_reuse(model, ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix, disk_path=tmp_path))
+    longer = torch.cat([history, random_ids(60, 2)], 1)
+    model.generate(longer, max_new_tokens=2, do_sample=False)
+    enable_chunk_reuse(model, ChunkStore(chunk_size=16, disk_path=tmp_path))  # restarted, no Redis
+    model.generate(longer, max_new_tokens=2, do_sample=False)
+    reused = last_request_stats(model).reused_tokens
+    disable_chunk_reuse(model)
+    assert reused == 99
+
+
+def test_redaction_covers_query_passwords_and_keeps_hosts():
+    assert "s3cret" not in redact("redis://127.0.0.1:1/0?password=s3cret") and "127.0.0.1:1" in redact(
+        "redis://127.0.0.1:1/0?password=s3cret")
+    assert redact("redis://:pw@[::1]:6379/0") == "redis://:***@[::1]:6379/0"
+    assert redact("unix://:pw@/run/redis.sock?db=0") == "unix://:***@/run/redis.sock?db=0"
+    store = ChunkStore(remote="redis://127.0.0.1:1/0?password=s3cret")
+    assert "s3cret" not in repr(store)
