@@ -75,8 +75,10 @@ def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g
 def to_int4pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Codes ``[N, K]`` -> torch's packed int4 weight for ``device`` (converted once, at load)."""
     if device.type == "cuda":  # untested here: no CUDA machine in this project's CI
-        uint8 = (codes[:, 1::2] << 4 | codes[:, ::2]).to(torch.uint8).to(device)
-        return torch.ops.aten._convert_weight_to_int4pack(uint8, 8)
+        # torch's own tests pack even columns into the high nibble for the CUDA op.
+        uint8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+        k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(uint8, k_tiles)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 

@@ -93,10 +93,10 @@ def replace_linears(model: nn.Module, config: StreamingAWQConfig, index: dict[st
 class StreamingRuntime:
     """What a streamed model carries: its streamer, stats and a lock serialising forwards."""
 
-    def __init__(self, streamer: LayerStreamer | None, stats: StreamingStats, sources: HostSource | None) -> None:
+    def __init__(self, streamer: LayerStreamer | None, stats: StreamingStats, source: HostSource | None) -> None:
         self.streamer = streamer
         self.stats = stats
-        self.source = sources
+        self.source = source
         self.lock = threading.RLock()
         self._hooks: list = []
 
