@@ -75,6 +75,7 @@ class MemoryPlanner:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.shape, self.free_bytes, self.margin = shape, int(free_bytes), margin
         self.sliding_capped, self.ladder = sliding_capped, ladder
+        self.decode_step_s: float | None = None  # measured by for_model()
 
     @property
     def budget_bytes(self) -> int:
@@ -93,7 +94,10 @@ class MemoryPlanner:
         activations = chunk * width * s.dtype_bytes
         scores = chunk * context * s.num_attention_heads * max(s.dtype_bytes, 4)  # softmax runs in fp32 on CPU
         mask = chunk * context
-        return activations + scores + mask
+        # Grouped-query attention: keys and values are expanded to every query head for the kernel.
+        expanded = 0 if s.num_kv_heads == s.num_attention_heads else (
+            2 * context * s.num_attention_heads * s.head_dim * s.dtype_bytes)
+        return activations + scores + mask + expanded
 
     def logits_bytes(self) -> int:
         return 3 * self.shape.vocab_size * 4  # last-position logits, fp32, plus generate's processed copies
@@ -170,7 +174,9 @@ class MemoryPlanner:
             if free <= 0:
                 logger.warning("the process already holds more than the memory limit; planning with 256 MiB")
                 free = 256 * MIB
-        return cls(shape, free, margin=margin, sliding_capped=not reuse)
+        planner = cls(shape, free, margin=margin, sliding_capped=not reuse)
+        planner.decode_step_s = decode_step_seconds(model)
+        return planner
 
 
 def process_rss_bytes() -> int:
@@ -180,3 +186,38 @@ def process_rss_bytes() -> int:
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+FALLBACK_DECODE_STEP_S = 0.5
+
+
+def decode_step_seconds(model, max_seconds: float = 10.0) -> float:
+    """One decode step of ``model`` (8-token prompt, then 1 token), timed; bounded by ``max_seconds``
+    (a thread; past it, or on any error, a conservative default with a log line)."""
+    import threading
+    import time
+
+    import torch
+
+    result: list[float] = []
+
+    def probe() -> None:
+        try:
+            device = next(model.parameters()).device
+            ids = torch.ones((1, 8), dtype=torch.long, device=device)
+            with torch.no_grad():
+                out = model(ids, use_cache=True, logits_to_keep=1)
+                start = time.perf_counter()
+                model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+            result.append(time.perf_counter() - start)
+        except Exception as err:  # a probe must never stop the server from starting
+            logger.warning("decode-step probe failed (%s: %s)", type(err).__name__, err)
+
+    thread = threading.Thread(target=probe, name="kvboost-decode-probe", daemon=True)
+    thread.start()
+    thread.join(max_seconds)
+    if not result:
+        logger.warning("decode-step probe gave no figure within %.0f s; assuming %.1f s", max_seconds,
+                       FALLBACK_DECODE_STEP_S)
+        return FALLBACK_DECODE_STEP_S
+    return result[0]

@@ -126,7 +126,9 @@ class MemoryAdmission:
         """Calibration: residuals (measured / predicted - 1) overall and per prompt-length cohort."""
         with self._lock:
             records = list(self._records)
+        step = self.planner.decode_step_s
         out = {"free_mb": round(self.planner.free_bytes / MIB, 1), "margin": self.planner.margin,
+               "decode_step_ms": None if step is None else round(step * 1000, 2),
                "refused": self.refused, "truncated": self.truncated, "requests": len(records),
                "in_flight_kv_mb": round(self.batch_kv_bytes() / MIB, 1)}
         out.update(residual_summary([(m / p - 1.0) for _, p, m in records if p > 0]))

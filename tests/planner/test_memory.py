@@ -32,11 +32,12 @@ def test_tight_budget_picks_the_largest_chunk_that_fits():
 
 
 def test_nothing_fits_suggests_a_size_that_does():
-    tight = planner(60)
+    budget = planner(10_000).peak_bytes(1200, 100, prefill_chunk_size=128)  # room for exactly 100 new tokens
+    tight = MemoryPlanner(SHAPE, budget, margin=0.0)
     plan = tight.plan(1200, 4000)
-    assert not plan.fits and 0 < plan.suggested_max_tokens < 4000
+    assert not plan.fits and plan.suggested_max_tokens == 100
     payload = plan.error_payload()
-    assert payload["prompt_tokens"] == 1200 and payload["predicted_peak_mb"] > payload["free_mb"] == 60.0
+    assert payload["prompt_tokens"] == 1200 and payload["predicted_peak_mb"] > payload["free_mb"] == round(budget / MIB, 1)
     assert tight.plan(1200, plan.suggested_max_tokens).fits
     assert not tight.plan(1200, plan.suggested_max_tokens + 1).fits
     too_long = tight.plan(8192, 16)
@@ -61,15 +62,16 @@ def test_sliding_layers_cap_only_without_reuse():
 
 
 def test_plans_are_pure():
-    p = planner(60)
+    p = planner(90)
     assert p.plan(3000, 16) == p.plan(3000, 16)
-    assert (p.free_bytes, p.margin) == (60 * MIB, 0.0)
+    assert (p.free_bytes, p.margin) == (90 * MIB, 0.0)
 
 
 def test_probe_on_a_model_and_bad_inputs():
     model = make_tiny("llama")
     probed = MemoryPlanner.for_model(model, memory_limit=1 << 40)
     assert probed.free_bytes > 0 and probed.shape.weight_bytes_exact == sum(p.numel() * 4 for p in model.parameters())
+    assert 0 < probed.decode_step_s < 10
     assert probed.plan(100, 10).fits
     with pytest.raises(ValueError, match="prompt_tokens"):
         probed.plan(0, 10)
