@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -71,8 +72,11 @@ class LayerStreamer:
         self._allocate_buffers()
         self._thread: threading.Thread | None = None
         if prefetch and self.order:
-            self._thread = threading.Thread(target=self._worker, name="kvboost-awq-prefetch", daemon=True)
+            # The thread holds only a weak reference: a model nobody uses any more can be freed.
+            self._thread = threading.Thread(target=_worker, args=(weakref.ref(self), self._queue),
+                                            name="kvboost-awq-prefetch", daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._queue.put, None)
 
     # ---- setup -----------------------------------------------------------------------------
     def _allocate_buffers(self) -> None:
@@ -123,21 +127,16 @@ class LayerStreamer:
         self.source.throttle(moved, start)  # one sleep per layer (benchmarks only)
         self.stats.add(loads=1, bytes_moved=moved, load_ms=(time.perf_counter() - start) * 1000)
 
-    def _worker(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            slot, layer = job
-            try:
-                self._load(slot, layer)
-            except BaseException as err:  # handed to the layer that needs the weights
-                logger.exception("prefetch of layer %d failed", layer)
-                slot.error = err
-            finally:
-                with self._cond:
-                    slot.ready.set()
-                    self._cond.notify_all()
+    def _run_job(self, slot: _Slot, layer: int) -> None:
+        try:
+            self._load(slot, layer)
+        except BaseException as err:  # handed to the layer that needs the weights
+            logger.exception("prefetch of layer %d failed", layer)
+            slot.error = err
+        finally:
+            with self._cond:
+                slot.ready.set()
+                self._cond.notify_all()
 
     # ---- slot bookkeeping (callers hold self._cond) -------------------------------------------
     def _slot_of(self, layer: int) -> _Slot | None:
@@ -252,3 +251,16 @@ class LayerStreamer:
             self._queue.put(None)
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def _worker(streamer_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
+    """Prefetch thread: load queued ``(slot, layer)`` jobs until told to stop or the streamer is gone."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        streamer = streamer_ref()
+        if streamer is None:
+            return
+        streamer._run_job(*job)
+        del streamer
