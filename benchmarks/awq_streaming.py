@@ -169,7 +169,9 @@ def layer_wall_ms(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, flo
     return per_token_layers, (total - prefill) / new_tokens
 
 
-def overlap_experiment(path: Path, ids: torch.Tensor, reps: int, new_tokens: int, transfer_over_compute: float = 1.0) -> dict:
+def overlap_experiment(
+    path: Path, ids: torch.Tensor, reps: int, new_tokens: int, transfer_over_compute: float = 1.0
+) -> dict:
     """Decoder-layer wall per token: resident (compute), throttled full_stream with and without prefetch."""
     resident = load(path, MODES["full_resident"])
     n_layers = len(resident.model.layers)

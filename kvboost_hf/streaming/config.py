@@ -78,7 +78,8 @@ class StreamingAWQConfig(QuantizationConfigMixin):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if not isinstance(self.n_staging_slots, int) or isinstance(self.n_staging_slots, bool) or self.n_staging_slots < 1:
+        slots = self.n_staging_slots
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"n_staging_slots must be an int >= 1, got {self.n_staging_slots!r}")
         if self.throttle_bytes_per_s is not None and not self.throttle_bytes_per_s > 0:
             raise ValueError(f"throttle_bytes_per_s must be positive or None, got {self.throttle_bytes_per_s!r}")

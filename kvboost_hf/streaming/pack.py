@@ -70,7 +70,10 @@ def _fold_into_norm(sd: dict, norm_name: str, norm: nn.Module, s: torch.Tensor) 
 def _scale_layer(model, sd, layer_name, layer, inputs, group_size, zero_point, scale_dtype) -> dict[str, float]:
     """Search and fold activation-aware scales for one decoder layer (in ``sd``); return the alphas."""
     alphas: dict[str, float] = {}
-    mlp_norm = "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
+    # Gemma 3 normalises the MLP input with pre_feedforward_layernorm; Llama-style models with post_attention_layernorm.
+    mlp_norm = "pre_feedforward_layernorm"
+    if not hasattr(layer, mlp_norm):
+        mlp_norm = "post_attention_layernorm"
     plans = [(_ATTN, "self_attn.q_proj", "input_layernorm"), (_MLP, "mlp.gate_proj", mlp_norm),
              (("mlp.down_proj",), "mlp.down_proj", None)]
     for group, input_of, norm in plans:

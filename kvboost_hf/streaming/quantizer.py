@@ -54,7 +54,7 @@ class StreamingAWQQuantizer(HfQuantizer):
         if isinstance(device_map, dict):
             devices = {str(d) for d in device_map.values()}
             if len(devices) != 1:
-                raise ValueError(f"device_map must place the whole model on one device for AWQ streaming, got {devices}")
+                raise ValueError(f"device_map must place the whole model on one device for AWQ streaming: {devices}")
             return {"": devices.pop()}
         if device_map in ("auto", "balanced", "sequential"):
             return {"": "cuda:0" if torch.cuda.is_available() else "cpu"}

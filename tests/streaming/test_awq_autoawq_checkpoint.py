@@ -53,7 +53,8 @@ def write_autoawq_checkpoint(model, path, scale_dtype):
             tensors[key] = value.to(torch.float16)
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
                                      "version": "GEMM"}  # AutoAWQ writes the version in capitals

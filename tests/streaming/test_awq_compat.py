@@ -23,7 +23,8 @@ AWQ_DICT = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": Fa
 
 def test_get_hf_quantizer_still_calls_merge_with_checkpoint_then_user_config():
     source = inspect.getsource(auto.get_hf_quantizer)
-    call = r"AutoHfQuantizer\.merge_quantization_configs\(\s*quantization_params_from_config,\s*quantization_config\s*\)"
+    call = (r"AutoHfQuantizer\.merge_quantization_configs\("
+            r"\s*quantization_params_from_config,\s*quantization_config\s*\)")
     assert re.search(call, source), "transformers changed the call site kvboost_hf/streaming/compat.py wraps"
     params = list(inspect.signature(original_merge()).parameters)
     assert params == ["cls", "quantization_config", "quantization_config_from_args"]

@@ -85,3 +85,16 @@ def test_awq_pack_command(tmp_path):
     model = load_awq(out, residency_mode="partial_resident", keep_first_k=1, keep_last_k=1, n_staging_slots=1)
     assert streaming_stats(model).streamed_layers == 1
     assert (out / "tokenizer.json").exists()
+
+
+def test_dropped_streamed_model_is_freed(tiny_awq):
+    import gc
+    import weakref
+
+    model = load_awq(tiny_awq["qwen2"][1], residency_mode="full_stream", n_staging_slots=2)
+    with torch.no_grad():
+        model.generate(_prompts()[0], max_new_tokens=2, do_sample=False)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None  # the prefetch thread does not keep it alive

@@ -58,6 +58,7 @@ def test_stats_and_metrics_carry_streaming_counters(awq_dir):
     assert stats["residency_mode"] == "full_stream" and stats["streamed_layers"] == 6
     assert stats["hits"] + stats["late"] + stats["misses"] >= 3 * 6
     assert stats["bytes_moved"] > 0
-    for name in ("kvboost_awq_prefetch_hits_total", "kvboost_awq_prefetch_misses_total", "kvboost_awq_bytes_moved_total",
+    for name in ("kvboost_awq_prefetch_hits_total", "kvboost_awq_prefetch_misses_total",
+                 "kvboost_awq_bytes_moved_total",
                  "kvboost_awq_blocked_seconds_total", "kvboost_awq_prefetch_hit_rate"):
         assert name in metrics
