@@ -73,3 +73,14 @@ def test_fp32_input_gives_fp32_output_and_bias():
     module = _check_against_dequantized(zero_point=True)
     x = torch.randn(2, 3, 128)
     assert module(x).dtype == torch.float32 and module(x).shape == (2, 3, 64)
+
+
+def test_int4_kernel_rows_are_independent():
+    """Chunk reuse exactness relies on it: a row's result does not depend on the other rows."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (64, 128), generator=g, dtype=torch.int32)
+    module = _module(codes, torch.full((4, 64), 7.0), torch.rand(4, 64, generator=g) * 0.1, 32)
+    x = torch.randn(37, 128, generator=g).to(torch.bfloat16)
+    whole = module(x)
+    assert torch.equal(torch.cat([module(x[i : i + 5]) for i in range(0, 37, 5)]), whole)
+    assert torch.equal(module(x[-1:]), whole[-1:])
