@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 PREFILL_LADDER = (None, 4096, 2048, 1024, 512, 256, 128)
 DEFAULT_MARGIN = 0.10
 MIB = 2**20
+# Fitted on Gemma-3-270M (CPU, fp32; benchmarks/memory_planner.py): a layer's inputs and outputs
+# (and RoPE / norm temporaries) are alive together, and so are the attention scores and their softmax.
+ACTIVATION_COPIES = 2
+SCORE_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,8 @@ class MemoryPlanner:
         """Activations and attention scratch of forwarding ``chunk`` tokens over ``context`` keys."""
         s = self.shape
         width = 4 * s.hidden_size + 3 * s.intermediate_size + (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
-        activations = chunk * width * s.dtype_bytes
-        scores = chunk * context * s.num_attention_heads * max(s.dtype_bytes, 4)  # softmax runs in fp32 on CPU
+        activations = ACTIVATION_COPIES * chunk * width * s.dtype_bytes
+        scores = SCORE_COPIES * chunk * context * s.num_attention_heads * max(s.dtype_bytes, 4)  # fp32 softmax
         mask = chunk * context
         # Grouped-query attention: keys and values are expanded to every query head for the kernel.
         expanded = 0 if s.num_kv_heads == s.num_attention_heads else (
