@@ -7,7 +7,8 @@ numbers; it mutates nothing, and its settings apply to that request only. The pe
   (with chunk reuse on, sliding layers keep every token too: the cache holds them for storing);
 - K/V other running requests already hold (``batch_kv_bytes``);
 - activations of one prefill chunk (hidden states, attention projections, the gated MLP);
-- attention scratch of that chunk (scores of chunk x context x heads, and its mask);
+- attention scratch of that chunk (with SDPA its mask, chunk x context; with eager attention
+  also the scores and softmax of every head, and keys and values repeated per head under GQA);
 - the logits rows of the last position (and the processed copies generate makes).
 
 A prefill chunk only covers tokens that are not reused, so reuse lowers the activation and
@@ -29,10 +30,14 @@ logger = logging.getLogger(__name__)
 PREFILL_LADDER = (None, 4096, 2048, 1024, 512, 256, 128)
 DEFAULT_MARGIN = 0.10
 MIB = 2**20
-# Fitted on Gemma-3-270M (CPU, fp32; benchmarks/memory_planner.py): a layer's inputs and outputs
-# (and RoPE / norm temporaries) are alive together, and so are the attention scores and their softmax.
-ACTIVATION_COPIES = 2
-SCORE_COPIES = 2
+# Fitted on Gemma-3-270M (CPU, fp32, SDPA; benchmarks/memory_planner.py): a layer's inputs,
+# outputs and RoPE / norm temporaries are alive together (about 3 copies of the per-token width);
+# SDPA's fused kernel works in tiles, so what grows with chunk x context is the mask (a boolean
+# one and its additive float form: 5 bytes per query-key pair). Eager attention materialises
+# the scores of every head and their softmax instead.
+ACTIVATION_COPIES = 3
+MASK_BYTES_PER_PAIR = 5
+EAGER_SCORE_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -72,13 +77,13 @@ class MemoryPlanner:
     """
 
     def __init__(self, shape: ModelShape, free_bytes: int, margin: float = DEFAULT_MARGIN,
-                 sliding_capped: bool = False, ladder: tuple = PREFILL_LADDER) -> None:
+                 sliding_capped: bool = False, ladder: tuple = PREFILL_LADDER, attention: str = "sdpa") -> None:
         if free_bytes <= 0:
             raise ValueError(f"free_bytes must be positive, got {free_bytes}")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.shape, self.free_bytes, self.margin = shape, int(free_bytes), margin
-        self.sliding_capped, self.ladder = sliding_capped, ladder
+        self.sliding_capped, self.ladder, self.attention = sliding_capped, ladder, attention
         self.decode_step_s: float | None = None  # measured by for_model()
 
     @property
@@ -96,12 +101,14 @@ class MemoryPlanner:
         s = self.shape
         width = 4 * s.hidden_size + 3 * s.intermediate_size + (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
         activations = ACTIVATION_COPIES * chunk * width * s.dtype_bytes
-        scores = SCORE_COPIES * chunk * context * s.num_attention_heads * max(s.dtype_bytes, 4)  # fp32 softmax
-        mask = chunk * context
-        # Grouped-query attention: keys and values are expanded to every query head for the kernel.
+        kinds = 2 if s.sliding_layers and s.full_layers else 1  # hybrid models build a full and a sliding mask
+        mask = MASK_BYTES_PER_PAIR * chunk * context * kinds
+        if self.attention != "eager":
+            return activations + mask
+        scores = EAGER_SCORE_COPIES * chunk * context * s.num_attention_heads * max(s.dtype_bytes, 4)
         expanded = 0 if s.num_kv_heads == s.num_attention_heads else (
-            2 * context * s.num_attention_heads * s.head_dim * s.dtype_bytes)
-        return activations + scores + mask + expanded
+            2 * context * s.num_attention_heads * s.head_dim * s.dtype_bytes)  # keys/values repeated per head
+        return activations + mask + scores + expanded
 
     def logits_bytes(self) -> int:
         return 3 * self.shape.vocab_size * 4  # last-position logits, fp32, plus generate's processed copies
@@ -178,7 +185,8 @@ class MemoryPlanner:
             if free <= 0:
                 logger.warning("the process already holds more than the memory limit; planning with 256 MiB")
                 free = 256 * MIB
-        planner = cls(shape, free, margin=margin, sliding_capped=not reuse)
+        attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        planner = cls(shape, free, margin=margin, sliding_capped=not reuse, attention=attention)
         planner.decode_step_s = decode_step_seconds(model)
         return planner
 
