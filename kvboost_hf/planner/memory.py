@@ -30,12 +30,13 @@ logger = logging.getLogger(__name__)
 PREFILL_LADDER = (None, 4096, 2048, 1024, 512, 256, 128)
 DEFAULT_MARGIN = 0.10
 MIB = 2**20
-# Fitted on Gemma-3-270M (CPU, fp32, SDPA; benchmarks/memory_planner.py): a layer's inputs,
-# outputs and RoPE / norm temporaries are alive together (about 3 copies of the per-token width);
-# SDPA's fused kernel works in tiles, so what grows with chunk x context is the mask (a boolean
-# one and its additive float form: 5 bytes per query-key pair). Eager attention materialises
-# the scores of every head and their softmax instead.
-ACTIVATION_COPIES = 3
+# Fitted on the live memory of Gemma-3-270M requests (CPU, fp32, SDPA; benchmarks/memory_planner.py,
+# 128-4,096 tokens): a forward keeps about 1.5 copies of the per-token width alive, a chunked
+# prefill one chunk-sized copy more (masks and the growing cache); SDPA's fused kernel works in
+# tiles, so what grows with chunk x context is the mask, about 5 bytes per query-key pair.
+# Eager attention materialises the scores of every head and their softmax instead.
+ACTIVATION_COPIES = 1.5
+CHUNKED_EXTRA_COPIES = 1.0
 MASK_BYTES_PER_PAIR = 5
 EAGER_SCORE_COPIES = 2
 
@@ -96,13 +97,14 @@ class MemoryPlanner:
             return kv_bytes_per_sequence(self.shape, tokens)
         return sum(kv_bytes_per_token(self.shape).values()) * tokens
 
-    def forward_bytes(self, chunk: int, context: int) -> int:
-        """Activations and attention scratch of forwarding ``chunk`` tokens over ``context`` keys."""
+    def forward_bytes(self, chunk: int, context: int, chunked: bool = False) -> int:
+        """Activations and attention scratch of forwarding ``chunk`` tokens over ``context`` keys
+        (``chunked``: one of several prefill chunks)."""
         s = self.shape
         width = 4 * s.hidden_size + 3 * s.intermediate_size + (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
-        activations = ACTIVATION_COPIES * chunk * width * s.dtype_bytes
-        kinds = 2 if s.sliding_layers and s.full_layers else 1  # hybrid models build a full and a sliding mask
-        mask = MASK_BYTES_PER_PAIR * chunk * context * kinds
+        copies = ACTIVATION_COPIES + (CHUNKED_EXTRA_COPIES if chunked else 0.0)
+        activations = int(copies * chunk * width * s.dtype_bytes)
+        mask = MASK_BYTES_PER_PAIR * chunk * context
         if self.attention != "eager":
             return activations + mask
         scores = EAGER_SCORE_COPIES * chunk * context * s.num_attention_heads * max(s.dtype_bytes, 4)
@@ -118,7 +120,8 @@ class MemoryPlanner:
         total = prompt_tokens + max_new_tokens
         computed = max(1, prompt_tokens - min(reused_tokens, prompt_tokens - 1))
         chunk = computed if prefill_chunk_size is None else min(prefill_chunk_size, computed)
-        return self.kv_bytes(total) + batch_kv_bytes + self.forward_bytes(chunk, prompt_tokens) + self.logits_bytes()
+        forward = self.forward_bytes(chunk, prompt_tokens, chunked=chunk < computed)
+        return self.kv_bytes(total) + batch_kv_bytes + forward + self.logits_bytes()
 
     # ------------------------------------------------------------------ plans
     def plan(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int = 0,

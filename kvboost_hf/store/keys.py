@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -121,12 +122,15 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def active_adapters(model: torch.nn.Module) -> list[str]:
+def tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The peft tuner layers (LoRA and the like) inside ``model``; empty without peft."""
+    return [m for m in model.modules() if hasattr(m, "active_adapters") and hasattr(m, "disable_adapters")]
+
+
+def active_adapters(model: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> list[str]:
     """Names of the peft adapters that take part in the forward pass (empty without peft)."""
     names: set[str] = set()
-    for module in model.modules():
-        if not hasattr(module, "active_adapters") or not hasattr(module, "disable_adapters"):
-            continue
+    for module in tuner_layers(model) if layers is None else layers:
         if module.disable_adapters or getattr(module, "merged", False):
             # Disabled adapters do not act; merged ones live in the base weights already.
             continue
@@ -135,48 +139,67 @@ def active_adapters(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
-def adapter_scales(model: torch.nn.Module) -> str:
+def adapter_scales(model: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> str:
     """A digest of every active peft adapter's scaling per layer (``rescale_adapter_scale``, ``set_scale``
     change it without touching any weight); empty without peft."""
     parts = []
-    for module in model.modules():
+    for module in tuner_layers(model) if layers is None else layers:
         scaling = getattr(module, "scaling", None)
-        if isinstance(scaling, dict) and hasattr(module, "active_adapters") and not getattr(module, "disable_adapters", True):
+        if isinstance(scaling, dict) and not module.disable_adapters:
             parts.append(repr(sorted((str(k), float(v)) for k, v in scaling.items() if not isinstance(v, torch.Tensor))))
     return xxhash.xxh3_64_hexdigest("|".join(parts).encode()) if parts else ""
 
 
 def _sampled_values(tensors: list[torch.Tensor]) -> bytes:
-    """A strided sample of every tensor's values: catches most edits that bypass version counters."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    """A strided sample of every tensor's values: catches most edits that bypass version counters.
+
+    One strided view per tensor (no copies), concatenated per device and dtype: about 0.5 ms for
+    Gemma-3-270M's 241 tensors.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() == 0 or flat.device.type == "meta":
+        n = tensor.numel()
+        if n == 0 or tensor.device.type == "meta":
             continue
-        step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
-        by_device.setdefault(flat.device, []).append(flat[::step][:_SAMPLES_PER_TENSOR].to(torch.float64))
-    # One copy to the CPU per device, not one per tensor (each would synchronise a GPU).
-    return b"".join(torch.cat(parts).cpu().numpy().tobytes() for parts in by_device.values())
+        step = max(1, n // _SAMPLES_PER_TENSOR)
+        count = min(_SAMPLES_PER_TENSOR, (n + step - 1) // step)
+        if tensor.is_contiguous():
+            sample = tensor.detach().as_strided((count,), (step,), tensor.storage_offset())
+        else:
+            sample = tensor.detach().reshape(-1)[::step][:count]
+        groups.setdefault((tensor.device, tensor.dtype), []).append(sample)
+    # One copy to the CPU per device and dtype, not one per tensor (each would synchronise a GPU).
+    return b"".join(torch.cat(parts).cpu().view(torch.uint8).numpy().tobytes() for parts in groups.values())
+
+
+_tuners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def model_state_token(model: torch.nn.Module) -> tuple:
-    """A cheap token (about 1 ms on Gemma-3-270M) that changes when the model's K/V may have changed.
+    """A cheap token (about 1.5 ms on Gemma-3-270M) that changes when the model's K/V may have changed.
 
     Covered: every in-place write to a parameter or buffer (``_version`` counters: optimizer
     steps, ``load_state_dict``, ``copy_``, adapter merges), tensors replaced or moved (storage
-    pointers, dtype, device), adapters switched, the attention implementation or a config field
-    that changes K/V (RoPE settings, for instance) changed. Edits made
+    pointers, dtype, device), adapters switched or rescaled, the attention implementation or a
+    config field that changes K/V (RoPE settings, for instance) changed. Edits made
     through ``.data`` (or numpy views) bypass the version counter: they are caught only when they
     touch one of the strided samples; :func:`kvboost_hf.refresh_namespace` covers the rest.
     """
     tensors = [t for _, t in state_tensors(model)]
+    layout = tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
+    memo = _tuners.get(model)
+    if memo is None or memo[0] != layout:  # adapters bring parameters: same tensors, same tuner layers
+        memo = (layout, tuner_layers(model))
+        _tuners[model] = memo
+    layers = memo[1]
     config = getattr(model, "config", None)
     return (
+        layout,
         # Inference tensors (made under torch.inference_mode) have no version counter: pointer and samples only.
-        tuple((-1 if t.is_inference() else t._version, t.data_ptr(), t.dtype, t.device) for t in tensors),
+        tuple(-1 if t.is_inference() else t._version for t in tensors),
         xxhash.xxh3_64_digest(_sampled_values(tensors)),
-        tuple(active_adapters(model)),
-        adapter_scales(model),
+        tuple(active_adapters(model, layers)),
+        adapter_scales(model, layers),
         getattr(config, "_attn_implementation", None),
         config_digest(model),
     )
