@@ -39,7 +39,7 @@ from .keys import Key
 logger = logging.getLogger(__name__)
 
 PRECISIONS = (None, 8, 4)  # most precise first
-ANCHOR_TOKENS = 8  # successors are indexed by their first tokens (at most the chunk size); shorter ones are not shared
+ANCHOR_TOKENS = 8  # successors are filed by their first tokens (at most the chunk size); shorter ones apart
 MAX_SUCCESSORS = 64  # successors read per step at most (HSCAN), whatever a hash holds
 
 
@@ -123,8 +123,15 @@ class RemoteTier:
         return f"{self.prefix}:kv:{_bits_name(bits)}:{key.hex()}"
 
     def _next(self, parent: Key, tokens) -> str:
+        """The successor index ``tokens`` (a successor's, or the prompt's from there on) are filed in."""
+        if len(tokens) < self.anchor_tokens:
+            return self._short(parent)
         anchor = xxhash.xxh3_64_hexdigest(json.dumps(list(tokens[: self.anchor_tokens])).encode())
         return f"{self.prefix}:next:{parent.hex()}:{anchor}"
+
+    def _short(self, parent: Key) -> str:
+        """Successors shorter than the anchor (a lone BOS chunk, a short final chunk)."""
+        return f"{self.prefix}:next:{parent.hex()}:short"
 
     # ------------------------------------------------------------------ guarded calls
     def _call(self, what: str, fn):
@@ -147,19 +154,24 @@ class RemoteTier:
     def successors(self, parent: Key, ids: tuple[int, ...]) -> dict[Key, tuple[int, ...]]:
         """Successors of ``parent`` whose first tokens are those of ``ids`` (at most ``MAX_SUCCESSORS``),
         with the token ids their index entry claims (a hint: never trusted for the match)."""
-        if len(ids) < self.anchor_tokens:
-            return {}
-        name = self._next(parent, ids)
-        raw = self._call("lookup", lambda: self._client.hscan(name, 0, count=MAX_SUCCESSORS)[1])
+        names = list(dict.fromkeys([self._next(parent, ids), self._short(parent)]))
+
+        def scan():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.hscan(name, 0, count=MAX_SUCCESSORS)
+            return pipe.execute()
+
         out = {}
-        for k, v in list((raw or {}).items())[:MAX_SUCCESSORS]:
-            try:
-                tokens = json.loads(v)
-                if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
-                    raise ValueError("not a list of token ids")
-                out[bytes.fromhex(k.decode())] = tuple(tokens)
-            except (ValueError, TypeError, UnicodeDecodeError):
-                self._call("cleanup", lambda f=k: self._client.hdel(name, f))  # a malformed entry: drop it
+        for name, result in zip(names, self._call("lookup", scan) or []):
+            for k, v in list(result[1].items())[:MAX_SUCCESSORS]:
+                try:
+                    tokens = json.loads(v)
+                    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+                        raise ValueError("not a list of token ids")
+                    out[bytes.fromhex(k.decode())] = tuple(tokens)
+                except (ValueError, TypeError, UnicodeDecodeError):
+                    self._call("cleanup", lambda n=name, f=k: self._client.hdel(n, f))  # malformed: drop it
         return out
 
     def best_successor(self, parent: Key, ids: tuple[int, ...]) -> Key | None:
@@ -200,7 +212,7 @@ class RemoteTier:
                 self._call("delete", lambda n=name: self._client.delete(n))
                 continue
             self.counts["hits"] += 1
-            names = [name] + ([self._next(parent, ids)] if parent is not None and len(ids) >= self.anchor_tokens else [])
+            names = [name] + ([self._next(parent, ids), self._short(parent)] if parent is not None else [])
 
             def touch():
                 pipe = self._client.pipeline(transaction=False)
@@ -219,8 +231,6 @@ class RemoteTier:
         if not self.breaker.allow():
             self.counts["skipped"] += 1
             return
-        if len(token_ids) < self.anchor_tokens:
-            return  # too short to be indexed: a final partial chunk of a few tokens
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._pending_lock:
             if self._pending_bytes + nbytes > self.max_pending_bytes:

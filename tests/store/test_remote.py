@@ -352,3 +352,18 @@ def test_redaction_covers_query_passwords_and_keeps_hosts():
     assert redact("unix://:pw@/run/redis.sock?db=0") == "unix://:***@/run/redis.sock?db=0"
     store = ChunkStore(remote="redis://127.0.0.1:1/0?password=s3cret")
     assert "s3cret" not in repr(store)
+
+
+def test_a_chain_that_starts_with_a_lone_bos_chunk_is_shared(redis_url, prefix):
+    from kvboost_hf import warm
+
+    model = make_tiny("llama")
+    ids = torch.cat([torch.tensor([[1]]), random_ids(40, 5)], dim=1)  # warm() starts a chunk after <bos>
+    writer = ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix)
+    warm(model, ids, writer)
+    assert writer.flush()
+    enable_chunk_reuse(model, ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix))
+    model.generate(torch.cat([ids, random_ids(3, 6)], dim=1), max_new_tokens=2, do_sample=False)
+    reused = last_request_stats(model).reused_tokens
+    disable_chunk_reuse(model)
+    assert reused == 41
