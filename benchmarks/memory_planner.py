@@ -2,7 +2,8 @@
 
 Each prompt length runs in a fresh subprocess (freed memory of an earlier request would otherwise
 be reused without raising the resident set): load the model, one short generate (it pages the
-weights in), ``malloc_trim`` (freed heap back to the OS), then reset the kernel's peak-RSS counter (``/proc/self/clear_refs``), run ``generate`` (greedy, 8 new
+weights in), ``malloc_trim`` (freed heap back to the OS; a fixed glibc mmap threshold, see MALLOC_ENV), then
+reset the kernel's peak-RSS counter (``/proc/self/clear_refs``), run ``generate`` (greedy, 8 new
 tokens, plain DynamicCache: sliding layers keep their window) and read ``VmHWM``. Measured =
 peak resident set minus the resident set before the request. Predicted = the planner's
 ``peak_bytes`` for the same request with ``sliding_capped=True`` and the plan's prefill chunk.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,10 @@ sys.path.insert(0, str(ROOT))
 from _common import environment, essays, write_json  # noqa: E402
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)
+# A fixed mmap threshold: glibc otherwise raises it as large blocks are freed and serves later
+# ones from a heap it keeps, so the resident set stops following what is live (runs disagreed by
+# a third). With it, every tensor above 128 KiB is mapped and unmapped on its own.
+MALLOC_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 NEW_TOKENS = 8
 
 
@@ -73,7 +79,7 @@ def main() -> None:
     for length in args.lengths:
         for chunk in (None, 512) if length > 512 else (None,):
             cmd = [sys.executable, __file__, "--child", str(length)] + (["--chunk", str(chunk)] if chunk else [])
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=MALLOC_ENV)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             print(f"{row['prompt_tokens']:>6} chunk={str(row['prefill_chunk_size']):>5} predicted "

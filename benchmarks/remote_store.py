@@ -9,7 +9,8 @@ Part 2, a round-robin replay: conversations of several turns (an essay passage, 
 each turn appending the model's reply), where turn t of conversation c lands on replica
 (c + t) mod 2. Both replicas are the same model with their own store; "local" stores are RAM
 only, "shared" ones also use one Redis. Per request: TTFT (lookup included) and cached/prompt
-tokens. Modes alternate per conversation; medians over requests after the first turn.
+tokens. Modes alternate per conversation; mean, p90 and per-turn medians over requests after
+the first turn (turn 1 is the first hand-over to the other replica).
 
 Needs a redis-server binary (the Makefile installs Debian's). Writes docs/benchmarks/remote_store.json.
 Usage: ``python benchmarks/remote_store.py [--reps 5] [--conversations 6] [--turns 4]``.
@@ -102,6 +103,24 @@ def replay(model, tokenizer, url: str | None, c: int, turns: int, new_tokens: in
     return rows
 
 
+def summarize(rows: dict) -> dict:
+    """Per mode: TTFT mean, p90 and per-turn medians, and cached/prompt tokens, over turns after the first."""
+    summary = {}
+    for mode, rs in rows.items():
+        later = [r for r in rs if r["turn"] > 0]
+        ttfts = sorted(r["ttft_ms"] for r in later)
+        turns = sorted({r["turn"] for r in later})
+        summary[mode] = {
+            "ttft_ms_mean": sum(ttfts) / len(ttfts),
+            "ttft_ms_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+            "ttft_ms_median_by_turn": {t: median([r["ttft_ms"] for r in later if r["turn"] == t]) for t in turns},
+            "cached_over_prompt": sum(r["cached"] for r in later) / sum(r["prompt"] for r in later),
+            "requests": len(later),
+        }
+    summary["ttft_mean_shared_over_local"] = summary["shared"]["ttft_ms_mean"] / summary["local"]["ttft_ms_mean"]
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -123,15 +142,7 @@ def main() -> None:
     finally:
         proc.kill()
         proc.wait()
-    summary = {}
-    for mode, rs in rows.items():
-        later = [r for r in rs if r["turn"] > 0]
-        summary[mode] = {
-            "ttft_ms_median": median([r["ttft_ms"] for r in later]),
-            "cached_over_prompt": sum(r["cached"] for r in later) / sum(r["prompt"] for r in later),
-            "requests": len(later),
-        }
-    summary["ttft_shared_over_local"] = summary["shared"]["ttft_ms_median"] / summary["local"]["ttft_ms_median"]
+    summary = summarize(rows)
     print(summary, flush=True)
     path = write_json("remote_store.json", {"chunk_tokens": CHUNK, "chunk_costs": costs, "replay": summary,
                                             "replay_rows": rows, "args": vars(args), "environment": environment()})
