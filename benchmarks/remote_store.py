@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 from _common import environment, essays, median, write_json  # noqa: E402
-from store import CHUNK, load_chunk_ms, recompute_chunk_ms  # noqa: E402
+from store import CHUNK, cold_chunk_ms, load_chunk_ms, recompute_chunk_ms  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats, warm  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
@@ -40,21 +40,6 @@ from tests.conftest import start_redis  # noqa: E402
 SETTINGS = {"fp32 (kv_bits=None)": {}, "int4": {"kv_bits": 4}}
 QUESTIONS = [" What is the main claim here?", " Which example supports it?", " What would a critic say?",
              " Summarise it in one sentence.", " What follows from this?"]
-
-
-def remote_chunk_ms(settings: dict, url: str, prefix: str, ns, ids: list[int], reps: int) -> float:
-    """Median time per chunk to look a prompt up from Redis with an empty RAM tier (and decode it)."""
-    times = []
-    for _ in range(reps):
-        store = ChunkStore(max_bytes=2_000_000_000, chunk_size=CHUNK, remote=url, remote_prefix=prefix, **settings)
-        start = time.perf_counter()
-        hits = store.lookup(ns, ids)
-        for hit in hits:
-            for layer in range(hit.chunk.num_layers):
-                hit.chunk.layer_states(layer, hit.num_tokens)
-        times.append((time.perf_counter() - start) * 1000 / len(hits))
-        assert store.stats()["remote"]["hits"] == len(hits) > 0
-    return median(times)
 
 
 def chunk_costs(model, tokenizer, url: str, reps: int) -> dict:
@@ -68,7 +53,8 @@ def chunk_costs(model, tokenizer, url: str, reps: int) -> dict:
         assert writer.flush(60)
         out[name] = {
             "ram_chunk_ms": load_chunk_ms(writer, ns, ids[0].tolist(), reps),
-            "redis_chunk_ms": remote_chunk_ms(settings, url, prefix, ns, ids[0].tolist(), reps),
+            "redis_chunk_ms": cold_chunk_ms({"remote": url, "remote_prefix": prefix}, settings, ns, ids[0].tolist(),
+                                            reps),
         }
         out[name]["redis_vs_recompute"] = out[name]["redis_chunk_ms"] / out["recompute_chunk_ms"]
         print(name, out[name], flush=True)

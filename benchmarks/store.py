@@ -47,13 +47,15 @@ def load_chunk_ms(store: ChunkStore, namespace, ids: list[int], reps: int) -> fl
     return median(times)
 
 
-def disk_chunk_ms(settings: dict, path: str, namespace, ids: list[int], reps: int) -> float:
-    """Median time per chunk to look a prompt up in a store whose RAM is empty (read, verify, decode)."""
+def cold_chunk_ms(tier: dict, settings: dict, namespace, ids: list[int], reps: int) -> float:
+    """Median time per chunk to look a prompt up in a store whose RAM is empty and decode it: from
+    the disk tier (``tier={"disk_path": ...}``: read, verify) or Redis (``{"remote": ..., ...}``)."""
     times = []
     for _ in range(reps):
-        store = ChunkStore(max_bytes=2_000_000_000, chunk_size=CHUNK, disk_path=path, **settings)
+        store = ChunkStore(max_bytes=2_000_000_000, chunk_size=CHUNK, **tier, **settings)
         t = time.perf_counter()
         hits = store.lookup(namespace, ids)
+        assert hits, "nothing found in the cold tier"
         for hit in hits:
             for layer in range(hit.chunk.num_layers):
                 hit.chunk.layer_states(layer, hit.num_tokens)
@@ -133,7 +135,7 @@ def main() -> None:
                 "bytes_per_token": per_token,
                 "ratio_to_model_dtype": per_token / dense_bytes_per_token,
                 "load_chunk_ram_ms": load_chunk_ms(store, namespace, ids[0].tolist(), args.reps),
-                "load_chunk_disk_ms": disk_chunk_ms(settings, path, namespace, ids[0].tolist(), args.reps),
+                "load_chunk_disk_ms": cold_chunk_ms({"disk_path": path}, settings, namespace, ids[0].tolist(), args.reps),
                 "recompute_chunk_ms": recompute,
             }
         row.update(quality(model, prompts, settings, args.new_tokens))

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats, warm
-from tests.conftest import make_tiny, random_ids
+from tests.conftest import random_ids
 
 STEPS = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
