@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from .state import STATE_ATTR, reuse_state
+from .state import STATE_ATTR
 
 _HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -64,11 +64,11 @@ def plain_state(model: torch.nn.Module) -> dict:
     return state
 
 
-def attach(model: torch.nn.Module) -> type:
-    """Give ``model`` the reuse subclass of its class; returns the original class."""
+def attach(model: torch.nn.Module) -> None:
+    """Give ``model`` the reuse subclass of its class (its ``_kvboost_base`` is the original)."""
     base = type(model)
     if isinstance(model, ReuseGenerateMixin):
-        return model._kvboost_base
+        return
     if base not in _subclasses:
         _subclasses[base] = type(
             base.__name__,
@@ -76,7 +76,6 @@ def attach(model: torch.nn.Module) -> type:
             {"__module__": base.__module__, "__qualname__": base.__qualname__, "_kvboost_base": base},
         )
     model.__class__ = _subclasses[base]
-    return base
 
 
 def detach(model: torch.nn.Module) -> None:
@@ -84,6 +83,3 @@ def detach(model: torch.nn.Module) -> None:
     if isinstance(model, ReuseGenerateMixin):
         model.__class__ = model._kvboost_base
 
-
-def has_reuse_class(model: torch.nn.Module) -> bool:
-    return isinstance(model, ReuseGenerateMixin) and reuse_state(model) is not None

@@ -114,7 +114,7 @@ def enable_chunk_reuse(
             target.register_forward_hook(_post_forward, with_kwargs=True),
         ]
         setattr(target, STATE_ATTR, state)
-        state.original_class = model_class.attach(target)
+        model_class.attach(target)
     state.store, state.strategy = store, strategy
     state.turn_tokens = turn_start_ids(tokenizer)
     state.separator = separator_ids(tokenizer, separator)

@@ -37,7 +37,6 @@ class ReuseState:
     separator: tuple[int, ...] = ()
     leading_special: tuple[int, ...] = ()
     original_attention: str | None = None
-    original_class: type | None = None
 
     def boundaries(self, token_ids: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
         return segment_starts(token_ids, self.turn_tokens, self.separator, extra, self.leading_special)
@@ -48,15 +47,15 @@ def reuse_state(model: torch.nn.Module) -> ReuseState | None:
     return model.__dict__.get(STATE_ATTR)
 
 
-def namespace(model: torch.nn.Module) -> Key:
-    """The model's namespace key, recomputed only when :func:`model_state_token` moves.
+def namespace(model: torch.nn.Module, refresh: bool = False) -> Key:
+    """The model's namespace key, recomputed only when :func:`model_state_token` moves (or ``refresh``).
 
     Raises :class:`~kvboost_hf.store.keys.UnfingerprintableModel` when the weights cannot be read.
     """
     token = model_state_token(model)
     with _namespace_lock:
         memo = _namespaces.get(model)
-        if memo is not None and memo[0] == token:
+        if not refresh and memo is not None and memo[0] == token:
             return memo[1]
     key = model_namespace(model)
     with _namespace_lock:
@@ -74,8 +73,4 @@ def refresh_namespace(model: torch.nn.Module) -> bytes:
     """
     from .reuse import _target  # noqa: PLC0415 - reuse imports this module
 
-    target = _target(model)
-    key = model_namespace(target)
-    with _namespace_lock:
-        _namespaces[target] = (model_state_token(target), key)
-    return key
+    return namespace(_target(model), refresh=True)

@@ -63,7 +63,7 @@ class StoredChunk:
     @property
     def is_exact(self) -> bool:
         """Whether every token is held in the model's own precision."""
-        return not any(isinstance(p, QuantizedTensor) for p in (*self.keys, *self.values))
+        return self.bits is None
 
     @property
     def bits(self) -> int | None:
