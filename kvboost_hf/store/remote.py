@@ -72,6 +72,7 @@ class CircuitBreaker:
         self.backoff_s, self.max_backoff_s, self.clock = backoff_s, max_backoff_s, clock
         self.failures = 0
         self.open_until = 0.0
+        self._lock = threading.Lock()
 
     @property
     def is_open(self) -> bool:
@@ -83,12 +84,17 @@ class CircuitBreaker:
     def success(self) -> None:
         self.failures = 0
 
-    def failure(self) -> float:
-        """Record a failure; returns how long the tier is now skipped."""
-        self.failures += 1
-        wait = min(self.max_backoff_s, self.backoff_s * 2 ** (self.failures - 1))
-        self.open_until = self.clock() + wait
-        return wait
+    def failure(self) -> float | None:
+        """Record a failure; returns how long the tier is now skipped, or None when another call
+        (another thread, same outage) has opened the breaker already: that neither counts again
+        nor lengthens the back-off."""
+        with self._lock:
+            if self.is_open:
+                return None
+            self.failures += 1
+            wait = min(self.max_backoff_s, self.backoff_s * 2 ** (self.failures - 1))
+            self.open_until = self.clock() + wait
+            return wait
 
 
 class RemoteTier:
@@ -142,8 +148,11 @@ class RemoteTier:
         try:
             result = fn()
         except self._errors as err:
-            self.counts["errors"] += 1
             wait = self.breaker.failure()
+            if wait is None:  # failed alongside the call that opened the breaker
+                self.counts["skipped"] += 1
+                return None
+            self.counts["errors"] += 1
             logger.warning("remote store %s unavailable during %s (%s: %s); skipping it for %.0f s",
                            self.url, what, type(err).__name__, redact(str(err)), wait)
             return None
