@@ -26,7 +26,8 @@ class StreamingAWQConfig(QuantizationConfigMixin):
       streamed), ``ffn_only_stream`` (attention projections resident everywhere; MLP weights of
       the layers outside the kept ones streamed), ``full_stream`` (every decoder layer streamed;
       ``keep_first_k`` / ``keep_last_k`` are not used).
-    - ``n_staging_slots``: at most this many streamed layers are materialised at once.
+    - ``n_staging_slots``: at most this many streamed layers are materialised at once (on CUDA,
+      device buffers; on a CPU, which computes on the host tensors in place, layers prefetched).
     - ``host``: where streamed packed weights live: ``"ram"`` (host memory, pinned on CUDA) or
       ``"mmap"`` (a converted int4 file mapped from disk; its pages are file-backed, not anonymous).
     - ``prefetch``: load the next streamed layers on a background thread while the current one

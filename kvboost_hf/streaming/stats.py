@@ -13,7 +13,8 @@ class StreamingStats:
     Each time a streamed decoder layer starts its forward it needs its weights in a staging
     slot: a *hit* finds them loaded, a *late* arrival finds them in flight and waits, a *miss*
     finds them not requested and loads them synchronously. ``blocked_ms`` is the time compute
-    waited (late + miss). ``bytes_moved`` counts host -> slot copies.
+    waited (late + miss). ``bytes_moved`` counts bytes made ready: host -> slot copies on CUDA,
+    prepared in place (an mmap'd file's readahead) on a CPU.
     """
 
     residency_mode: str = "full_resident"

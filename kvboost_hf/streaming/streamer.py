@@ -6,7 +6,9 @@ in a staging slot (hit, late or miss); the streamer then asks the prefetch threa
 the next token. When the layer finishes, its slot is freed and the window moves on. At most
 ``n_staging_slots`` streamed layers are materialised at any time.
 
-On CUDA (untested here: no CUDA machine in this project's CI) copies run on a side stream and
+On a CPU a slot holds views of the host source's tensors (no copy; the source ``prepare``s the
+pages, e.g. readahead of an mmap'd file), so "materialised" means "prefetched": the slots bound
+how far ahead the prefetcher works. On CUDA (untested here: no CUDA machine in this project's CI) copies run on a side stream and
 the slot is reused only after the compute stream has passed the layer that read it.
 """
 
@@ -59,6 +61,7 @@ class LayerStreamer:
         self.source = source
         self.prefetch = prefetch
         self.device = device
+        self.in_place = device.type == "cpu"  # compute reads host tensors directly; see HostSource
         self.stats = stats
         self.slots = [_Slot(i) for i in range(n_slots)]
         self._cond = threading.Condition()
@@ -81,6 +84,8 @@ class LayerStreamer:
     # ---- setup -----------------------------------------------------------------------------
     def _allocate_buffers(self) -> None:
         """One buffer per streamed linear shape and slot, allocated once (slot memory is fixed)."""
+        if self.in_place:
+            return
         largest = max(self.order, key=lambda l: sum(self.source.nbytes(n) for n, _ in self.streamed[l]), default=None)
         if largest is None:
             return
@@ -121,6 +126,10 @@ class LayerStreamer:
                 for name, _ in self.streamed[layer]:
                     moved += self.source.copy_into(name, self._buffer(slot, name), non_blocking=True)
             self._copy_stream.synchronize()
+        elif self.in_place:
+            for name, _ in self.streamed[layer]:
+                slot.buffers[self._suffix(name)] = self.source.tensor(name)
+                moved += self.source.prepare(name)
         else:
             for name, _ in self.streamed[layer]:
                 moved += self.source.copy_into(name, self._buffer(slot, name))
