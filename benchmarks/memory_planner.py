@@ -7,6 +7,8 @@ reset the kernel's peak-RSS counter (``/proc/self/clear_refs``), run ``generate`
 tokens, plain DynamicCache: sliding layers keep their window) and read ``VmHWM``. Measured =
 peak resident set minus the resident set before the request. Predicted = the planner's
 ``peak_bytes`` for the same request with ``sliding_capped=True`` and the plan's prefill chunk.
+The quantized rungs are measured the same way, with the request's cache a ``KIVICache`` of 8 or
+4 bits (``--kv-bits``, prompts of 1,024 tokens and more).
 
 Writes docs/benchmarks/memory_planner.json. Usage: ``python benchmarks/memory_planner.py``.
 """
@@ -41,10 +43,11 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def one(length: int, chunk: int | None) -> dict:
+def one(length: int, chunk: int | None, kv_bits: int | None = None) -> dict:
     """Run in the child: measure one request of ``length`` prompt tokens."""
     import torch
 
+    from kvboost_hf import KIVICache
     from kvboost_hf.models import load_default_model
     from kvboost_hf.planner.memory import MemoryPlanner
 
@@ -53,6 +56,8 @@ def one(length: int, chunk: int | None) -> dict:
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :length]
     assert ids.shape[1] == length
     kwargs = {} if chunk is None else {"prefill_chunk_size": chunk}
+    if kv_bits is not None:
+        kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
     with torch.no_grad():
         model.generate(ids[:, :16], max_new_tokens=2, do_sample=False)  # pages the weights in
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the request's own growth shows
@@ -61,8 +66,8 @@ def one(length: int, chunk: int | None) -> dict:
         model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
     measured = status_kib("VmHWM") * 1024 - before
     planner = MemoryPlanner.for_model(model, memory_limit=1 << 40, reuse=False)
-    predicted = planner.peak_bytes(length, NEW_TOKENS, prefill_chunk_size=chunk)
-    return {"prompt_tokens": length, "prefill_chunk_size": chunk, "predicted_mb": predicted / 2**20,
+    predicted = planner.peak_bytes(length, NEW_TOKENS, prefill_chunk_size=chunk, kv_bits=kv_bits)
+    return {"prompt_tokens": length, "prefill_chunk_size": chunk, "kv_bits": kv_bits, "predicted_mb": predicted / 2**20,
             "measured_mb": measured / 2**20, "residual": measured / predicted - 1.0}
 
 
@@ -71,20 +76,25 @@ def main() -> None:
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
+    parser.add_argument("--kv-bits", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-quantized", action="store_true", help="skip the KIVICache rows")
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(one(args.child, args.chunk)))
+        print(json.dumps(one(args.child, args.chunk, args.kv_bits)))
         return
     rows = []
-    for length in args.lengths:
-        for chunk in (None, 512) if length > 512 else (None,):
-            cmd = [sys.executable, __file__, "--child", str(length)] + (["--chunk", str(chunk)] if chunk else [])
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=MALLOC_ENV)
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(f"{row['prompt_tokens']:>6} chunk={str(row['prefill_chunk_size']):>5} predicted "
-                  f"{row['predicted_mb']:8.1f} MiB  measured {row['measured_mb']:8.1f} MiB  "
-                  f"residual {row['residual']:+.1%}", flush=True)
+    runs = [(length, chunk, None) for length in args.lengths for chunk in ((None, 512) if length > 512 else (None,))]
+    if not args.no_quantized:
+        runs += [(length, 512, bits) for length in args.lengths if length >= 1024 for bits in (8, 4)]
+    for length, chunk, bits in runs:
+        cmd = [sys.executable, __file__, "--child", str(length)] + (["--chunk", str(chunk)] if chunk else [])
+        cmd += ["--kv-bits", str(bits)] if bits else []
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=MALLOC_ENV)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(f"{row['prompt_tokens']:>6} chunk={str(row['prefill_chunk_size']):>5} kv_bits={str(bits):>4} predicted "
+              f"{row['predicted_mb']:8.1f} MiB  measured {row['measured_mb']:8.1f} MiB  "
+              f"residual {row['residual']:+.1%}", flush=True)
     path = write_json("memory_planner.json", {"new_tokens": NEW_TOKENS, "rows": rows, "environment": environment()})
     print(f"wrote {path}")
 

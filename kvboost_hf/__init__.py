@@ -2,6 +2,7 @@
 
 from . import attention
 from .cache import ChunkReuseCache
+from .quantized_cache import KIVICache
 from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats
 from .state import refresh_namespace
 from .store import ChunkStore
@@ -17,6 +18,7 @@ attention.register()
 __all__ = [
     "ChunkReuseCache",
     "ChunkStore",
+    "KIVICache",
     "ReuseStats",
     "disable_chunk_reuse",
     "enable_chunk_reuse",

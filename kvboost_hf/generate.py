@@ -13,6 +13,7 @@ import torch
 
 from . import attention
 from .cache import ChunkReuseCache
+from .quantized_cache import KIVICache
 from .state import ReuseState, reuse_state
 from .telemetry import ReuseStats
 
@@ -27,6 +28,11 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
         # transformers fails deep inside attention with a reshape error; say what is wrong instead.
         raise ValueError("generate() got an empty prompt (0 tokens): pass at least one token, e.g. the BOS token")
     segments = kwargs.pop("segments", None)
+    kv_bits = kwargs.pop("kv_bits", None)
+    if kv_bits is not None:
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError("kv_bits builds the request's cache (a KIVICache): do not pass past_key_values as well")
+        kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
     cache = None
     if state is not None:
         cache, reason = _request_cache(model, state, inputs, kwargs)
@@ -79,6 +85,9 @@ def _request_cache(model, state: ReuseState, inputs, kwargs: dict) -> tuple[Chun
         cache = ChunkReuseCache(model.config, state.store)
         kwargs["past_key_values"] = cache
         return cache, ""
+    if isinstance(cache, KIVICache):
+        return None, (f"kv_bits={cache.bits}: approximate live K/V; the store (exact K/V only) is neither read "
+                      "nor fed")
     if not isinstance(cache, ChunkReuseCache):
         # The caller's own cache: transformers' semantics, untouched.
         return None, f"past_key_values is a {type(cache).__name__}: used as is, no reuse"

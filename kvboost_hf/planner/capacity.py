@@ -103,6 +103,18 @@ def kv_bytes_per_sequence(shape: ModelShape, context: int) -> int:
     return per_type["full"] * context + per_type["sliding"] * sliding_tokens
 
 
+def quantized_kv_bytes_per_sequence(shape: ModelShape, context: int, kv_bits: int, residual_length: int = 128,
+                                    group_size: int | None = None) -> int:
+    """Live K/V bytes of one sequence in a ``KIVICache``: full-attention layers hold KIVI codes plus up to
+    ``residual_length`` tokens at full precision; sliding layers stay full precision, capped at their window."""
+    group = group_size or next((g for g in (128, 64, 32, 16, 8) if shape.head_dim % g == 0), shape.head_dim)
+    per_head_token = 2 * shape.head_dim * kv_bits / 8 + (shape.head_dim // group) * 4  # codes + value scale/zero
+    quantized = shape.full_layers * shape.num_kv_heads * (per_head_token * context + shape.head_dim * 4)
+    residual = kv_bytes_per_token(shape)["full"] * min(context, residual_length)
+    sliding_tokens = min(context, shape.sliding_window) if shape.sliding_window else context
+    return int(quantized) + residual + kv_bytes_per_token(shape)["sliding"] * sliding_tokens
+
+
 def stored_bytes_per_token(shape: ModelShape, kv_bits: int | None, chunk_size: int = 128,
                            group_size: int | None = None) -> float:
     """Bytes one token costs at rest in a ChunkStore (every layer; scales and token id included)."""

@@ -1,4 +1,4 @@
-"""MemoryPlanner: predict a request's peak memory before it runs, and pick a prefill chunk size that fits.
+"""MemoryPlanner: predict a request's peak memory before it runs, and pick settings that fit.
 
 :meth:`MemoryPlanner.plan` is a pure function of the request's sizes and the planner's probed
 numbers; it mutates nothing, and its settings apply to that request only. The peak it predicts:
@@ -13,6 +13,12 @@ numbers; it mutates nothing, and its settings apply to that request only. The pe
 
 A prefill chunk only covers tokens that are not reused, so reuse lowers the activation and
 scratch terms; the K/V term stays (a request's cache holds its reused tokens too).
+
+The ladder it climbs, cheapest first: every prefill chunk size at full precision, then (only
+when the caller allows it: ``kv_bits_options``) every chunk size with the live K/V in a
+:class:`~kvboost_hf.quantized_cache.KIVICache` of 8, then 4 bits. Lossless rungs always come
+first; a quantized rung is approximate and reported as such, and it reads nothing from the store
+(so reuse does not lower its prefill).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .capacity import ModelShape, kv_bytes_per_sequence, kv_bytes_per_token
+from .capacity import ModelShape, kv_bytes_per_sequence, kv_bytes_per_token, quantized_kv_bytes_per_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,11 @@ ACTIVATION_COPIES = 1.5
 CHUNKED_EXTRA_COPIES = 1.0
 MASK_BYTES_PER_PAIR = 5
 EAGER_SCORE_COPIES = 2
+# A KIVICache layer dequantizes its whole history at every update and concatenates it with the new
+# states (transformers' QuantizedLayer), and its flush re-quantizes from a float32 copy: about three
+# float copies of one layer's K/V are alive at that moment.
+KIVI_TRANSIENT_COPIES = 3
+KIVI_RESIDUAL_LENGTH = 128
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class RequestPlan:
     max_new_tokens: int
     reused_tokens: int
     prefill_chunk_size: int | None  # None: the prompt in one forward
+    kv_bits: int | None  # None: full-precision K/V (exact); 8 or 4: a KIVICache (approximate, no reuse)
     predicted_peak_bytes: int
     free_bytes: int
     fits: bool
@@ -56,8 +68,12 @@ class RequestPlan:
 
     @property
     def generate_kwargs(self) -> dict:
-        """Keyword arguments that apply this plan to ``model.generate``."""
-        return {} if self.prefill_chunk_size is None else {"prefill_chunk_size": self.prefill_chunk_size}
+        """Keyword arguments that apply this plan to ``model.generate`` (a chunk-reuse model: ``kv_bits``
+        is its argument)."""
+        out = {} if self.prefill_chunk_size is None else {"prefill_chunk_size": self.prefill_chunk_size}
+        if self.kv_bits is not None:
+            out["kv_bits"] = self.kv_bits
+        return out
 
     def error_payload(self) -> dict:
         return {
@@ -65,6 +81,7 @@ class RequestPlan:
             "predicted_peak_mb": round(self.predicted_peak_bytes / MIB, 1),
             "free_mb": round(self.free_bytes / MIB, 1),
             "suggested_max_tokens": self.suggested_max_tokens,
+            "kv_bits": self.kv_bits,
         }
 
 
@@ -74,17 +91,23 @@ class MemoryPlanner:
     ``free_bytes``: memory available to requests beyond what the process already holds (the
     weights included); a ``margin`` fraction of it is kept in reserve. ``sliding_capped`` says
     whether sliding layers keep only their window (plain ``DynamicCache``) or every token (with
-    chunk reuse, which stores the whole prompt).
+    chunk reuse, which stores the whole prompt). ``kv_bits_options``: the live K/V precisions a
+    request may fall back to when nothing fits at full precision (e.g. ``(8, 4)``; default none).
     """
 
     def __init__(self, shape: ModelShape, free_bytes: int, margin: float = DEFAULT_MARGIN,
-                 sliding_capped: bool = False, ladder: tuple = PREFILL_LADDER, attention: str = "sdpa") -> None:
+                 sliding_capped: bool = False, ladder: tuple = PREFILL_LADDER, attention: str = "sdpa",
+                 kv_bits_options: tuple[int, ...] = ()) -> None:
         if free_bytes <= 0:
             raise ValueError(f"free_bytes must be positive, got {free_bytes}")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
+        bad = [b for b in kv_bits_options if b not in (8, 4)]
+        if bad:
+            raise ValueError(f"kv_bits_options may hold 8 and 4, got {bad}")
         self.shape, self.free_bytes, self.margin = shape, int(free_bytes), margin
         self.sliding_capped, self.ladder, self.attention = sliding_capped, ladder, attention
+        self.kv_bits_options = tuple(sorted(set(kv_bits_options), reverse=True))  # 8 before 4
         self.decode_step_s: float | None = None  # measured by for_model()
 
     @property
@@ -92,7 +115,11 @@ class MemoryPlanner:
         return int(self.free_bytes * (1.0 - self.margin))
 
     # ------------------------------------------------------------------ the model of a peak
-    def kv_bytes(self, tokens: int) -> int:
+    def kv_bytes(self, tokens: int, kv_bits: int | None = None) -> int:
+        if kv_bits is not None:
+            live = quantized_kv_bytes_per_sequence(self.shape, tokens, kv_bits, KIVI_RESIDUAL_LENGTH)
+            per_layer = kv_bytes_per_token(self.shape)["full"] // max(1, self.shape.full_layers)
+            return live + KIVI_TRANSIENT_COPIES * per_layer * tokens
         if self.sliding_capped:
             return kv_bytes_per_sequence(self.shape, tokens)
         return sum(kv_bytes_per_token(self.shape).values()) * tokens
@@ -116,31 +143,40 @@ class MemoryPlanner:
         return 3 * self.shape.vocab_size * 4  # last-position logits, fp32, plus generate's processed copies
 
     def peak_bytes(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int = 0,
-                   prefill_chunk_size: int | None = None, batch_kv_bytes: int = 0) -> int:
+                   prefill_chunk_size: int | None = None, batch_kv_bytes: int = 0, kv_bits: int | None = None) -> int:
+        if kv_bits is not None:
+            reused_tokens = 0  # a KIVICache request reads nothing from the store
         total = prompt_tokens + max_new_tokens
         computed = max(1, prompt_tokens - min(reused_tokens, prompt_tokens - 1))
         chunk = computed if prefill_chunk_size is None else min(prefill_chunk_size, computed)
         forward = self.forward_bytes(chunk, prompt_tokens, chunked=chunk < computed)
-        return self.kv_bytes(total) + batch_kv_bytes + forward + self.logits_bytes()
+        return self.kv_bytes(total, kv_bits) + batch_kv_bytes + forward + self.logits_bytes()
+
+    def rungs(self) -> list[tuple[int | None, int | None]]:
+        """``(prefill_chunk_size, kv_bits)`` from cheapest to leanest: every lossless rung before any lossy one."""
+        return [(chunk, bits) for bits in (None, *self.kv_bits_options) for chunk in self.ladder]
 
     # ------------------------------------------------------------------ plans
     def plan(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int = 0,
              batch_kv_bytes: int = 0) -> RequestPlan:
-        """The cheapest prefill chunk size whose predicted peak fits; ``fits=False`` with a suggestion when none does."""
+        """The cheapest ``(prefill_chunk_size, kv_bits)`` rung whose predicted peak fits; ``fits=False`` with a
+        suggestion (the most new tokens that fit at the leanest rung) when none does."""
         if prompt_tokens <= 0 or max_new_tokens < 0 or reused_tokens < 0:
             raise ValueError("prompt_tokens must be positive, max_new_tokens and reused_tokens non-negative")
         budget = self.budget_bytes
         peak = 0
-        for chunk in self.ladder:
-            if chunk is not None and chunk >= prompt_tokens - reused_tokens:
+        for chunk, bits in self.rungs():
+            computed = prompt_tokens - (0 if bits is not None else reused_tokens)
+            if chunk is not None and chunk >= computed:
                 continue  # no smaller than one forward: the next rung is
-            peak = self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, chunk, batch_kv_bytes)
+            peak = self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, chunk, batch_kv_bytes, bits)
             if peak <= budget:
-                return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, chunk, peak, self.free_bytes, True,
-                                   max_new_tokens)
+                return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, chunk, bits, peak, self.free_bytes,
+                                   True, max_new_tokens)
         suggestion = self.suggested_max_tokens(prompt_tokens, reused_tokens, batch_kv_bytes, limit=max_new_tokens)
-        return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], peak, self.free_bytes,
-                           False, suggestion)
+        leanest_bits = self.kv_bits_options[-1] if self.kv_bits_options else None
+        return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], leanest_bits, peak,
+                           self.free_bytes, False, suggestion)
 
     def _largest(self, fits, upper: int) -> int:
         """The largest ``n`` in ``[0, upper]`` with ``fits(n)`` (``fits`` monotone, decreasing in ``n``)."""
@@ -162,13 +198,17 @@ class MemoryPlanner:
         return self._largest(lambda n: n > 0 and self._fits(n, max_new_tokens, 0, batch_kv_bytes), prompt_tokens)
 
     def _fits(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int, batch_kv_bytes: int) -> bool:
-        peak = self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], batch_kv_bytes)
-        return peak <= self.budget_bytes
+        """Whether any rung fits (the leanest chunk size, at full precision or at any allowed ``kv_bits``)."""
+        return any(
+            self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], batch_kv_bytes, bits)
+            <= self.budget_bytes
+            for bits in (None, *self.kv_bits_options)
+        )
 
     # ------------------------------------------------------------------ probing
     @classmethod
     def for_model(cls, model, memory_limit: int | None = None, margin: float = DEFAULT_MARGIN,
-                  reuse: bool = True) -> MemoryPlanner:
+                  reuse: bool = True, kv_bits_options: tuple[int, ...] = ()) -> MemoryPlanner:
         """Probe once: model shape from its config, free memory (CUDA ``mem_get_info``; on CPU
         ``memory_limit`` or the cgroup limit / physical memory, minus what this process holds now)."""
         import torch
@@ -189,7 +229,8 @@ class MemoryPlanner:
                 logger.warning("the process already holds more than the memory limit; planning with 256 MiB")
                 free = 256 * MIB
         attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        planner = cls(shape, free, margin=margin, sliding_capped=not reuse, attention=attention)
+        planner = cls(shape, free, margin=margin, sliding_capped=not reuse, attention=attention,
+                      kv_bits_options=kv_bits_options)
         planner.decode_step_s = decode_step_seconds(model)
         return planner
 

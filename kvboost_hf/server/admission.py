@@ -33,6 +33,16 @@ class Admitted:
     plan: RequestPlan
     truncated_from: int | None = None  # the original prompt length when --auto-truncate cut it
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers that report what the plan changed: a truncated prompt, quantized live K/V."""
+        out = {}
+        if self.truncated_from is not None:
+            out["X-Kvboost-Truncated-From"] = str(self.truncated_from)
+        if self.plan is not None and self.plan.kv_bits is not None:
+            out["X-Kvboost-KV-Bits"] = str(self.plan.kv_bits)
+        return out
+
 
 class _PeakSampler:
     """The highest resident set of this process while the ``with`` block runs, above its start."""
@@ -102,7 +112,7 @@ class MemoryAdmission:
         plan = admitted.plan
         key = id(plan)
         with self._lock:
-            self._in_flight[key] = self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens)
+            self._in_flight[key] = self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens, plan.kv_bits)
         try:
             if self.device == "cuda":
                 import torch

@@ -191,7 +191,8 @@ class _Service:
         self.prompt_limit = min(limits) if limits else None
         self.admission: MemoryAdmission | None = None
         if settings.plan_memory:
-            planner = MemoryPlanner.for_model(model, settings.memory_limit, reuse=settings.reuse)
+            planner = MemoryPlanner.for_model(model, settings.memory_limit, reuse=settings.reuse,
+                                              kv_bits_options=settings.kv_bits_fallback)
             self.admission = MemoryAdmission(planner, settings.auto_truncate, next(model.parameters()).device.type)
 
     # ------------------------------------------------------------------ small pieces
@@ -358,7 +359,7 @@ class _Service:
         deadline = arrival + self.settings.request_timeout
         stream = bool(body.stream)
         prompt_ids = admitted.prompt_ids
-        headers = {} if admitted.truncated_from is None else {"X-Kvboost-Truncated-From": str(admitted.truncated_from)}
+        headers = admitted.headers
 
         def work(job: Job) -> Reply:
             with self.admission.running(admitted) if self.admission else contextlib.nullcontext():

@@ -60,6 +60,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "physical memory); requests predicted not to fit get 413")
     limits.add_argument("--auto-truncate", action="store_true",
                         help="instead of 413, keep the longest prompt prefix that fits (header X-Kvboost-Truncated-From)")
+    limits.add_argument("--kv-bits-fallback", type=int, nargs="+", choices=[8, 4], default=(), metavar="BITS",
+                        help="when a request fits no full-precision plan, run it with its live K/V quantized to "
+                             "these bits (8 and/or 4; approximate, no reuse; header X-Kvboost-KV-Bits) instead of 413")
     limits.add_argument("--no-memory-planning", action="store_true", help="admit every request without a memory plan")
     limits.add_argument("--workers", type=int, default=None,
                         help="requests generated at once, one model.generate each (default: the CPU cores)")
@@ -196,6 +199,7 @@ def serve(args: argparse.Namespace) -> int:
             plan_memory=not args.no_memory_planning,
             memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
             auto_truncate=args.auto_truncate,
+            kv_bits_fallback=tuple(args.kv_bits_fallback),
             **worker_settings(args, model_device),
         )
     except ValueError as err:

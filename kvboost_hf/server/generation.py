@@ -20,6 +20,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from ..cache import ChunkReuseCache
+from ..quantized_cache import KIVICache
 from ..reuse import is_chunk_reuse_enabled
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,8 @@ def generate_reply(
     :class:`Reply` holds the whole text, token counts, and the prompt tokens reused from the
     store. With reuse enabled, the request gets its own ``ChunkReuseCache`` (the explicit
     form), whose ``stats`` are this call's even while other workers generate. ``generate_kwargs``
-    (the memory planner's choices, e.g. ``prefill_chunk_size``) are passed on to generate.
+    (the memory planner's choices: ``prefill_chunk_size``; ``kv_bits``, which runs the request
+    on a :class:`~kvboost_hf.KIVICache` without reuse) are passed on to generate.
     """
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     reply = ReplyText(tokenizer, params.stop)
@@ -188,7 +190,10 @@ def generate_reply(
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     cache = None
-    if store is not None and is_chunk_reuse_enabled(model):
+    kv_bits = kwargs.pop("kv_bits", None)
+    if kv_bits is not None:  # the plan's lossy last resort: no reuse for this request
+        kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
+    elif store is not None and is_chunk_reuse_enabled(model):
         cache = ChunkReuseCache(model.config, store)
         kwargs["past_key_values"] = cache
     with _SAMPLING_LOCK if params.temperature > 0 else contextlib.nullcontext():

@@ -25,6 +25,9 @@ class ServerSettings:
     (process wide) and restored at shutdown. ``plan_memory`` predicts each request's peak
     memory and refuses (413) or, with ``auto_truncate``, truncates what cannot fit into
     ``memory_limit`` bytes (None: CUDA free memory, or the cgroup limit / physical memory).
+    ``kv_bits_fallback`` (e.g. ``(8, 4)``) lets a request that fits no full-precision rung run
+    with its live K/V quantized to those bits instead (approximate, without reuse; reported in
+    the ``X-Kvboost-KV-Bits`` header); empty (the default) keeps every reply exact.
     """
 
     model_name: str = "kvboost-hf"
@@ -40,6 +43,7 @@ class ServerSettings:
     plan_memory: bool = True
     memory_limit: int | None = None
     auto_truncate: bool = False
+    kv_bits_fallback: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in RECOMPUTE_STRATEGIES:
@@ -58,5 +62,7 @@ class ServerSettings:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout!r}")
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit < 1):
             raise ValueError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
+        if any(b not in (8, 4) for b in self.kv_bits_fallback):
+            raise ValueError(f"kv_bits_fallback may hold 8 and 4, got {list(self.kv_bits_fallback)}")
         if self.api_key == "":
             self.api_key = None

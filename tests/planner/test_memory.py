@@ -79,3 +79,42 @@ def test_probe_on_a_model_and_bad_inputs():
         MemoryPlanner(SHAPE, 0)
     with pytest.raises(ValueError, match="margin"):
         MemoryPlanner(SHAPE, MIB, margin=1.5)
+
+
+def test_quantized_rungs_come_only_after_every_lossless_one_and_only_when_allowed():
+    lossless = planner(10_000)
+    leanest_exact = lossless.peak_bytes(16_384, 64, prefill_chunk_size=128)
+    int8 = lossless.peak_bytes(16_384, 64, prefill_chunk_size=128, kv_bits=8)
+    int4 = lossless.peak_bytes(16_384, 64, prefill_chunk_size=128, kv_bits=4)
+    assert int4 < int8 < leanest_exact  # at long contexts quantized K/V is the bigger saving
+    budget_mb = (int8 + (leanest_exact - int8) // 2) / MIB  # int8 fits, no exact rung does
+    assert not planner(budget_mb).plan(16_384, 64).fits  # default: never lossy
+    plan = planner(budget_mb, kv_bits_options=(4, 8)).plan(16_384, 64)
+    assert plan.fits and plan.kv_bits == 8 and plan.predicted_peak_bytes <= budget_mb * MIB  # 8 before 4
+    assert plan.generate_kwargs == {"kv_bits": 8, "prefill_chunk_size": plan.prefill_chunk_size}
+    assert plan.error_payload()["kv_bits"] == 8
+    rungs = planner(1, kv_bits_options=(8, 4)).rungs()
+    first_lossy = next(i for i, (_, bits) in enumerate(rungs) if bits is not None)
+    assert all(bits is None for _, bits in rungs[:first_lossy]) and len(rungs) == 3 * len(rungs[:first_lossy])
+    roomy = planner(10_000, kv_bits_options=(8, 4)).plan(16_384, 64)
+    assert roomy.kv_bits is None  # lossy only when nothing exact fits
+
+
+def test_a_quantized_rung_gets_no_credit_for_reuse():
+    p = planner(10_000)
+    assert p.peak_bytes(4096, 32, reused_tokens=4000, kv_bits=4) == p.peak_bytes(4096, 32, kv_bits=4)
+    assert p.peak_bytes(4096, 32, reused_tokens=4000) < p.peak_bytes(4096, 32)
+
+
+def test_int4_needs_less_than_int8_and_suggestions_consider_quantized_rungs():
+    p = planner(10_000)
+    budget = p.peak_bytes(16_384, 0, prefill_chunk_size=128, kv_bits=4)  # only int4 holds the prompt
+    exact_only = MemoryPlanner(SHAPE, budget, margin=0.0)
+    with_int4 = MemoryPlanner(SHAPE, budget, margin=0.0, kv_bits_options=(4,))
+    assert exact_only.suggested_max_tokens(16_384) == 0 and with_int4.suggested_max_tokens(16_384) == 0
+    assert exact_only.truncated_prompt(16_384, 0) < with_int4.truncated_prompt(16_384, 0) == 16_384
+
+
+def test_kv_bits_options_are_checked():
+    with pytest.raises(ValueError, match="kv_bits_options"):
+        planner(100, kv_bits_options=(2,))

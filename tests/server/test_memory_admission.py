@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import pytest
 import torch
 
+from kvboost_hf import KIVICache
 from kvboost_hf.planner import ModelShape
 from kvboost_hf.planner.memory import MemoryPlanner
 from kvboost_hf.server.admission import MemoryAdmission
@@ -84,3 +87,33 @@ def test_calibration_on_stats_and_metrics(planned_server):
     metrics = httpx.get(f"{planned_server.base_url}/metrics").text
     lines = [line for line in metrics.splitlines() if line.startswith("kvboost_memory_")]
     assert "kvboost_memory_free_bytes 1.7179869184e+10" in lines and any("refused_total" in x for x in lines), lines
+
+
+def test_kv_bits_fallback_serves_what_no_exact_rung_fits_and_says_so(planned_server):
+    # The tiny model's K/V is too small to matter: plan as if it had 64 layers, so quantized K/V is the saving.
+    shape = replace(ModelShape.from_config(planned_server.model.config, dtype="float32"), num_layers=64)
+    probe = MemoryPlanner(shape, 2**34, margin=0.0)
+    exact, lossy = (probe.peak_bytes(400, 6, prefill_chunk_size=128, kv_bits=b) for b in (None, 8))
+    assert lossy < exact
+    budget = (lossy + exact) // 2
+    request = {"model": MODEL_NAME, "prompt": cycle_words(400, start=7), "max_tokens": 6, "temperature": 0,
+               "ignore_eos": True}
+    planned_server.app.state.service.admission = MemoryAdmission(MemoryPlanner(shape, budget, margin=0.0))
+    refused = httpx.post(f"{planned_server.base_url}/v1/completions", timeout=30, json=request)
+    assert refused.status_code == 413 and refused.json()["error"]["kv_bits"] is None
+
+    admission = MemoryAdmission(MemoryPlanner(shape, budget, margin=0.0, kv_bits_options=(8, 4)))
+    planned_server.app.state.service.admission = admission
+    store_size = len(planned_server.store)
+    response = httpx.post(f"{planned_server.base_url}/v1/completions", timeout=30, json=request)
+    assert response.status_code == 200 and response.headers["X-Kvboost-KV-Bits"] == "8"
+    assert len(planned_server.store) == store_size  # approximate K/V are not stored
+    ids = planned_server.tokenizer(request["prompt"])["input_ids"]
+    plan = admission.planner.plan(len(ids), 6)
+    with torch.no_grad():
+        ref = planned_server.model.generate(
+            torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
+            past_key_values=KIVICache(planned_server.model.config, bits=8),
+            **({} if plan.prefill_chunk_size is None else {"prefill_chunk_size": plan.prefill_chunk_size}))
+    text = planned_server.tokenizer.decode(ref[0, len(ids):], skip_special_tokens=True)
+    assert response.json()["choices"][0]["text"] == text
