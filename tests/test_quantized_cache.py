@@ -87,3 +87,34 @@ def test_kv_bits_on_a_reuse_model_steps_reuse_aside_and_stores_nothing():
             assert last_request_stats(model).reused_tokens > 0
     finally:
         disable_chunk_reuse(model)
+
+
+def test_crop_rolls_back_through_the_residual_and_into_the_codes():
+    model = make_tiny("llama", seed=2, num_layers=2)
+    ids = random_ids(40, seed=9)
+    with torch.no_grad():
+        exact = DynamicCache(config=model.config)
+        model(ids, past_key_values=exact, use_cache=True)
+        for remove in (3, 20, 40):
+            cache = KIVICache(model.config, bits=8, residual_length=8)
+            model(ids[:, :16], past_key_values=cache, use_cache=True)
+            for t in range(16, 40):
+                model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache.crop(-remove)
+            keep = 40 - remove
+            assert cache.get_seq_length() == keep
+            probe_k = torch.zeros(1, model.config.num_key_value_heads, 1, model.config.head_dim)
+            keys, _ = cache.layers[0].update(probe_k, probe_k.clone())
+            assert keys.shape[-2] == keep + 1
+            if keep:
+                ref = exact.layers[0].keys[..., :keep, :]
+                assert ((keys[..., :keep, :] - ref).norm() / ref.norm()) < 0.02
+
+
+def test_assisted_decoding_runs_on_a_kivi_cache():
+    model, draft = make_tiny("llama", seed=2, num_layers=2), make_tiny("llama", seed=3, num_layers=1)
+    ids = random_ids(30, seed=1)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                             past_key_values=KIVICache(model.config, bits=8, residual_length=4))
+    assert out.shape == (1, 42) and torch.equal(out[:, :30], ids)

@@ -46,9 +46,9 @@ CHUNKED_EXTRA_COPIES = 1.0
 MASK_BYTES_PER_PAIR = 5
 EAGER_SCORE_COPIES = 2
 # A KIVICache layer dequantizes its whole history at every update and concatenates it with the new
-# states (transformers' QuantizedLayer), and its flush re-quantizes from a float32 copy: about three
-# float copies of one layer's K/V are alive at that moment.
-KIVI_TRANSIENT_COPIES = 3
+# states (transformers' QuantizedLayer): two float copies of one layer's K/V are alive at that moment
+# (measured on Gemma-3-270M, 1,024-4,096 tokens: three over-predicted by 16-24%).
+KIVI_TRANSIENT_COPIES = 2
 KIVI_RESIDUAL_LENGTH = 128
 
 
