@@ -275,5 +275,10 @@ def decode_step_seconds(model, max_seconds: float = 10.0) -> float:
     if not result:
         logger.warning("decode-step probe gave no figure within %.0f s; assuming %.1f s", max_seconds,
                        FALLBACK_DECODE_STEP_S)
+        # An interpreter that exits while the probe is inside a torch op aborts ("terminate called
+        # without an active exception"): let the probe finish first.
+        import atexit
+
+        atexit.register(thread.join)
         return FALLBACK_DECODE_STEP_S
     return result[0]
