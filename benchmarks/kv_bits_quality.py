@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     model, tokenizer = load_default_model()
-    texts = essays()[-args.essays :]
+    needed = args.prompt_tokens + args.eval_tokens
+    long_enough = [t for t in essays() if len(tokenizer(t)["input_ids"]) >= needed]
+    texts = long_enough[-args.essays :]
     rows = {str(bits): {"nll": 0.0, "count": 0, "err": [], "top1": 0, "prefix": []} for bits in SETTINGS}
     with torch.no_grad():
         for text in texts:
