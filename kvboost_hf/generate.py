@@ -27,6 +27,9 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
         # transformers fails deep inside attention with a reshape error; say what is wrong instead.
         raise ValueError("generate() got an empty prompt (0 tokens): pass at least one token, e.g. the BOS token")
     segments = kwargs.pop("segments", None)
+    from .speculative import request as speculation  # noqa: PLC0415 - speculative builds on this module
+
+    spec = speculation.prepare(model, kwargs) if state is not None else None
     cache = None
     if state is not None:
         cache, reason = _request_cache(model, state, inputs, kwargs)
@@ -35,14 +38,20 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
             state.last_stats = ReuseStats(prompt_tokens=prompt, recomputed_tokens=prompt, reason=reason)
     if cache is not None and segments is not None:
         cache.segments = [int(p) for p in segments]
+    token = speculation.activate(spec)
     try:
         output = original(*args, **kwargs)
     finally:
+        speculation.deactivate(token)
         attention.set_scattered_queries(None)
         if cache is not None:
             cache.end_blend()
+    if spec is not None:
+        speculation.finish(spec, output)
     if cache is not None:
         finish_request(state, cache)
+    if spec is not None and state.last_stats is not None:
+        state.last_stats.speculation = spec.stats
     return output
 
 

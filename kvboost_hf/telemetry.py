@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from .speculative.stats import SpeculationStats
+
 
 @dataclass
 class ReuseStats:
@@ -26,6 +28,7 @@ class ReuseStats:
     strategy: str = "exact"
     layer_tokens: list[int] = field(default_factory=list)
     reason: str = ""
+    speculation: SpeculationStats | None = None  # set when the call decoded speculatively
 
     @property
     def compute_fraction(self) -> float:
@@ -43,6 +46,8 @@ class ReuseStats:
         out = asdict(self)
         out["kv_reuse_ratio"] = self.kv_reuse_ratio
         out["compute_fraction"] = self.compute_fraction
+        if self.speculation is not None:
+            out["speculation"] = self.speculation.to_dict()
         return out
 
 

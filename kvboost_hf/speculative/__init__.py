@@ -1,0 +1,11 @@
+"""Speculative decoding that composes with chunk reuse: drafts, an adaptive draft length, telemetry.
+
+Drafts (``model.generate(ids, draft=...)`` on a model with chunk reuse enabled):
+``"prompt-lookup"``, ``"store"`` (n-grams of every stored sequence), an HF assistant model, or
+a self-draft built by :func:`make_draft` from the target's own weights.
+"""
+
+from .controller import ControllerSettings, DraftController
+from .stats import SpeculationStats
+
+__all__ = ["ControllerSettings", "DraftController", "SpeculationStats"]
