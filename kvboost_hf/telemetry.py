@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from .speculative.stats import SpeculationStats
+if TYPE_CHECKING:
+    from .speculative.stats import SpeculationStats
 
 
 @dataclass

@@ -6,6 +6,8 @@ a self-draft built by :func:`make_draft` from the target's own weights.
 """
 
 from .controller import ControllerSettings, DraftController
+from .ngram import LookupSettings
+from .self_draft import make_draft
 from .stats import SpeculationStats
 
-__all__ = ["ControllerSettings", "DraftController", "SpeculationStats"]
+__all__ = ["ControllerSettings", "DraftController", "LookupSettings", "SpeculationStats", "make_draft"]
