@@ -50,8 +50,8 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
         speculation.finish(spec, output)
     if cache is not None:
         finish_request(state, cache)
-    if spec is not None and state.last_stats is not None:
-        state.last_stats.speculation = spec.stats
+    if spec is not None:
+        speculation.record(state, spec)
     return output
 
 

@@ -9,5 +9,7 @@ from .controller import ControllerSettings, DraftController
 from .ngram import LookupSettings
 from .self_draft import make_draft
 from .stats import SpeculationStats
+from .totals import SpeculationTotals, set_default_draft, speculation_totals
 
-__all__ = ["ControllerSettings", "DraftController", "LookupSettings", "SpeculationStats", "make_draft"]
+__all__ = ["ControllerSettings", "DraftController", "LookupSettings", "SpeculationStats", "SpeculationTotals",
+           "make_draft", "set_default_draft", "speculation_totals"]

@@ -47,32 +47,45 @@ class SpeculationRequest:
 
 def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
     """Pop ``draft`` / ``speculation`` from generate's ``kwargs`` and set HF's arguments that select
-    assisted decoding; None when the call does not speculate."""
+    assisted decoding; None when the call does not speculate. A call naming no draft, assistant or
+    prompt lookup uses the model's default draft (:func:`set_default_draft`), if any."""
     draft = kwargs.pop("draft", None)
-    settings = _settings(kwargs.pop("speculation", None))
+    settings = kwargs.pop("speculation", None)
     assistant = kwargs.get("assistant_model")
     if draft is None and assistant is None:
-        if kwargs.get("prompt_lookup_num_tokens") is None:
+        if kwargs.get("prompt_lookup_num_tokens") is not None:
+            return SpeculationRequest("hf", _settings(settings), SpeculationStats(draft="hf-prompt-lookup"))
+        state = reuse_state(model)
+        if state is None or state.default_draft is None or kwargs.get("num_beams", 1) not in (None, 1):
             return None
-        return SpeculationRequest("hf", settings, SpeculationStats(draft="hf-prompt-lookup"))
+        draft, settings = state.default_draft, settings if settings is not None else state.default_speculation
+    settings = _settings(settings)
     if draft is not None and assistant is not None:
         raise ValueError("pass either draft= or assistant_model=, not both")
     if isinstance(draft, str):
-        if draft not in LOOKUP_DRAFTS:
-            raise ValueError(f"draft={draft!r}: expected one of {LOOKUP_DRAFTS} or a model")
+        validate_draft(model, draft)
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             raise ValueError(f"draft={draft!r} already drafts by lookup: drop prompt_lookup_num_tokens")
         kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
         return SpeculationRequest(draft, settings, SpeculationStats(draft=draft))
     assistant = draft if draft is not None else assistant
-    if not isinstance(assistant, torch.nn.Module) or not hasattr(assistant, "generate"):
-        raise TypeError(f"draft must be {LOOKUP_DRAFTS[0]!r}, {LOOKUP_DRAFTS[1]!r} or a generative model, "
-                        f"got {type(assistant).__name__}")
     if kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None:
-        check_vocabulary(model, assistant)
+        validate_draft(model, assistant)
     _enable_reuse_on(model, assistant)
     kwargs["assistant_model"] = assistant
     return SpeculationRequest("model", settings, SpeculationStats(draft=getattr(assistant, "draft_name", "model")))
+
+
+def validate_draft(model: torch.nn.Module, draft) -> None:
+    """Raise a ValueError / TypeError naming ``draft`` when it cannot draft for ``model``."""
+    if isinstance(draft, str):
+        if draft not in LOOKUP_DRAFTS:
+            raise ValueError(f"draft={draft!r}: expected one of {LOOKUP_DRAFTS} or a model")
+        return
+    if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "generate"):
+        raise TypeError(f"draft must be {LOOKUP_DRAFTS[0]!r}, {LOOKUP_DRAFTS[1]!r} or a generative model, "
+                        f"got {type(draft).__name__}")
+    check_vocabulary(model, draft)
 
 
 def check_vocabulary(model: torch.nn.Module, draft: torch.nn.Module) -> None:
@@ -145,6 +158,16 @@ def finish(request: SpeculationRequest, output) -> None:
     if draft_cache is not None and draft_cache.stats is not None:
         request.stats.draft_reused_tokens = draft_cache.stats.reused_tokens
         request.stats.draft_prompt_tokens = draft_cache.stats.prompt_tokens
+
+
+def record(state, request: SpeculationRequest) -> None:
+    """Publish the request's stats: in the model's latest reuse stats and its running totals."""
+    if state.last_stats is not None:
+        state.last_stats.speculation = request.stats
+    if request.proposer is not None:
+        from .totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
+
+        totals_of(state).add(request.stats)
 
 
 def _store_index(model: torch.nn.Module):
