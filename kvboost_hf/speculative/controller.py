@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 @dataclass
 class ControllerSettings:
-    """Settings of :class:`DraftController`. ``adaptive=False`` always drafts ``max_tokens`` after round 0."""
+    """Settings of :class:`DraftController`. ``adaptive=False`` drafts ``max_tokens`` in every round, the
+    first included (HF's behaviour with a fixed ``num_assistant_tokens``)."""
 
     max_tokens: int = 8
     start_tokens: int = 4
@@ -86,10 +87,10 @@ class DraftController:
     def choose(self) -> int:
         """Draft tokens to propose this round (0: a plain decode step)."""
         s = self.settings
-        if self.round == 0:
-            return 0
         if not s.adaptive:
             return s.max_tokens
+        if self.round == 0:
+            return 0
         if self.round == 1 or self.plain_ms.value is None:
             return 0
         if self.verify_slope_ms.value is None:
