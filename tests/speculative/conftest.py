@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse
 
@@ -21,3 +22,12 @@ def reuse():
     yield enable
     for model in enabled:
         disable_chunk_reuse(model)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for tests of many tiny forwards (~10x faster than two on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ import torch
 from kvboost_hf import ControllerSettings, disable_chunk_reuse, last_request_stats, make_draft
 from tests.conftest import FAMILIES, make_tiny, make_tiny_tokenizer, random_ids, words
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 # Always draft max_tokens after the prefill round: exactness is tested on rounds that speculate.
 ALWAYS = ControllerSettings(adaptive=False, max_tokens=5, start_tokens=1, probe_tokens=1)
 

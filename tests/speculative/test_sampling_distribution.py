@@ -21,6 +21,7 @@ DRAWS = 1500
 # (sum over tokens of sqrt(p(1-p) / (2 pi N))); 0.06 leaves room, and the biased rule measures
 # well above it (asserted below through the draft's own distance to the target).
 TV_BOUND = 0.06
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny generate calls
 ALWAYS = ControllerSettings(adaptive=False, max_tokens=3, start_tokens=1, probe_tokens=1)
 
 
@@ -58,15 +59,6 @@ def _next_token_probs(model, prompt, temperature=1.0) -> torch.Tensor:
 
 def _tv(p: torch.Tensor, q: torch.Tensor) -> float:
     return 0.5 * float((p - q).abs().sum())
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Thousands of tiny generate calls: one torch thread is ~10x faster than two on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("rule", ["hf", "biased"])
