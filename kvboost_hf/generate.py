@@ -51,7 +51,7 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
     if cache is not None:
         finish_request(state, cache)
     if spec is not None:
-        speculation.record(state, spec)
+        speculation.record(state, spec, cache)
     return output
 
 

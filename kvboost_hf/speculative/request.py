@@ -160,10 +160,11 @@ def finish(request: SpeculationRequest, output) -> None:
         request.stats.draft_prompt_tokens = draft_cache.stats.prompt_tokens
 
 
-def record(state, request: SpeculationRequest) -> None:
-    """Publish the request's stats: in the model's latest reuse stats and its running totals."""
-    if state.last_stats is not None:
-        state.last_stats.speculation = request.stats
+def record(state, request: SpeculationRequest, cache=None) -> None:
+    """Publish the request's stats: in its cache's reuse stats (else the model's latest) and the running totals."""
+    stats = getattr(cache, "stats", None) or state.last_stats
+    if stats is not None:
+        stats.speculation = request.stats
     if request.proposer is not None:
         from .totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
 
