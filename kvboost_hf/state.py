@@ -37,6 +37,9 @@ class ReuseState:
     separator: tuple[int, ...] = ()
     leading_special: tuple[int, ...] = ()
     original_attention: str | None = None
+    default_draft: Any = None  # kvboost_hf.speculative.set_default_draft
+    default_speculation: Any = None
+    speculation_totals: Any = None
 
     def boundaries(self, token_ids: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
         return segment_starts(token_ids, self.turn_tokens, self.separator, extra, self.leading_special)

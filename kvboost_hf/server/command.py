@@ -77,6 +77,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     awq.add_argument("--staging-slots", type=int, default=2, help="streamed layers materialised at once (default 2)")
     awq.add_argument("--awq-host", choices=["ram", "mmap"], default="ram",
                      help="where streamed weights live: host RAM, or a converted file mapped from disk")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--draft", default=None, metavar="int4|int8|prompt-lookup|store|PATH",
+                      help="draft for every request (greedy and sampling): a self-draft of the model (int4 / int8), "
+                           "prompt lookup, store-wide n-gram drafts, or an assistant model sharing the tokenizer")
+    spec.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                      help="self-draft LM head restricted to the N most frequent tokens (FR-Spec)")
+    spec.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                      help="self-draft keeps the first N decoder layers")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -186,6 +194,8 @@ def serve(args: argparse.Namespace) -> int:
     model_device = "cpu"  # load_model keeps the model on the CPU
     if args.no_reuse and (args.warm or args.warm_file):
         raise ServeError("--warm / --warm-file need reuse; drop --no-reuse")
+    if args.no_reuse and args.draft:
+        raise ServeError("--draft needs reuse (the draft's prefill is reused too); drop --no-reuse")
     try:
         settings = ServerSettings(
             model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
@@ -208,7 +218,12 @@ def serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_served_model(args)
     try:
         app = create_app(model, tokenizer, store, settings)
-    except ValueError as err:
+        if args.draft:
+            from .speculation import attach_speculation, build_draft
+
+            attach_speculation(app, model, build_draft(args.draft, model, tokenizer, args.draft_vocab,
+                                                       args.draft_layers))
+    except (ValueError, TypeError) as err:
         raise ServeError(str(err)) from err
     if args.warm or args.warm_file:
         limits = [v for v in (context_length(model), args.max_prompt_tokens) if v is not None]

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 
@@ -143,6 +143,12 @@ class ChunkStore:
         """The chunks held in RAM (a snapshot)."""
         with self._lock:
             return list(self._ram.values())
+
+    def token_chains(self, namespace: Key, skip: Container[Key] = ()) -> list[tuple[Key, tuple[int, ...]]]:
+        """Token ids of every stored chain of ``namespace`` (RAM and disk tiers) that no chunk continues,
+        as ``(key of its last chunk, token ids)``; chains whose last key is in ``skip`` are left out."""
+        with self._lock:
+            return list(self._index.chains(namespace, skip))
 
     def stats(self) -> dict:
         """Counters and sizes. ``hits``/``misses`` count lookups that reused at least one token /
