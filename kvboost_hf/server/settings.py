@@ -25,6 +25,9 @@ class ServerSettings:
     (process wide) and restored at shutdown. ``plan_memory`` predicts each request's peak
     memory and refuses (413) or, with ``auto_truncate``, truncates what cannot fit into
     ``memory_limit`` bytes (None: CUDA free memory, or the cgroup limit / physical memory).
+    ``scheduler`` is ``"workers"`` (the above) or ``"batch"``: continuous batching, at most
+    ``max_batch_size`` requests decoded together, at most ``max_batched_tokens`` tokens forwarded
+    per step (one per decoding request, the rest prompt chunks); ``workers`` is then unused.
     """
 
     model_name: str = "kvboost-hf"
@@ -40,6 +43,9 @@ class ServerSettings:
     plan_memory: bool = True
     memory_limit: int | None = None
     auto_truncate: bool = False
+    scheduler: str = "workers"
+    max_batch_size: int = 16
+    max_batched_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in RECOMPUTE_STRATEGIES:
@@ -58,5 +64,11 @@ class ServerSettings:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout!r}")
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit < 1):
             raise ValueError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
+        if self.scheduler not in ("batch", "workers"):
+            raise ValueError(f"scheduler must be 'batch' or 'workers', got {self.scheduler!r}")
+        if self.scheduler == "batch":
+            from ..batching import BatchLimits  # noqa: PLC0415 - validates the two limits
+
+            BatchLimits(self.max_batch_size, self.max_batched_tokens)
         if self.api_key == "":
             self.api_key = None
