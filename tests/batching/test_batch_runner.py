@@ -117,3 +117,25 @@ def test_attention_without_prepared_masks_is_refused(tiny_models):
             BatchRunner(model)
     finally:
         model.config._attn_implementation = before
+
+
+def test_gemma_batched_first_step_logits_match_unbatched(gemma_model):
+    model, tokenizer = gemma_model
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea, "
+             "there lived an old fisherman who"]
+    seqs = [Sequence(tokenizer(t)["input_ids"], max_tokens=3, sampling=RowSampling(temperature=0), eos_ids=[])
+            for t in texts]
+    runner = BatchRunner(model)
+    for seq in seqs:
+        runner.start(seq)
+        chunks = 0
+        while seq.prefilling:  # several chunks for the longer prompts
+            logits, chunks = runner.prefill(seq, 8), chunks + 1
+        seq.sample(logits)
+        assert chunks == -(-len(seq.prompt_ids) // 8)
+    batched = runner.decode(seqs)
+    for seq, row in zip(seqs, batched):
+        with torch.no_grad():
+            alone = model(torch.tensor([seq.prompt_ids + seq.generated])).logits[0, -1]
+        torch.testing.assert_close(row, alone, atol=1e-4, rtol=0)
+        assert seq.generated == generate_alone(model, seq.prompt_ids, 1, [])
