@@ -4,7 +4,7 @@ Each request keeps its own cache (a :class:`~kvboost_hf.cache.ChunkReuseCache` w
 on, so the store lookup and commit are the library's own); a decode step runs every running
 request's next token in one batched forward, through :class:`PaddedRowsCache`, which writes
 each row's new K/V into that row's cache and shows attention the rows right-padded with a mask.
-Prompts are prefilled in chunks between decode steps.
+Prompts are prefilled in chunks between decode steps (chunks of similar length batched together).
 
 - :mod:`.rows_cache`: the decode-step cache view and its attention masks;
 - :mod:`.prefill`: a prompt's lookup (the reuse hook's own) and its chunked prefill;
@@ -14,10 +14,10 @@ Prompts are prefilled in chunks between decode steps.
 - :mod:`.runner`: executes a step's forwards — executes only.
 """
 
-from .rows_cache import PaddedRowsCache, decode_masks
+from .rows_cache import PaddedRowsCache, decode_masks, row_masks
 from .runner import BatchRunner
 from .sampling import RowSampling, next_token
-from .scheduler import BatchLimits, StepPlan, plan_step
+from .scheduler import BatchLimits, StepPlan, group_chunks, plan_step
 from .sequence import Sequence
 
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
     "Sequence",
     "StepPlan",
     "decode_masks",
+    "row_masks",
     "next_token",
+    "group_chunks",
     "plan_step",
 ]

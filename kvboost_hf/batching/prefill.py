@@ -52,6 +52,17 @@ class PromptPrefill:
     def remaining(self) -> int:
         return self.tail.shape[1] - self.done
 
+    def take(self, n: int) -> tuple[torch.Tensor, int, bool]:
+        """The next ``n`` tail tokens (1D), the position of the first, and whether they end the prompt;
+        the caller forwards them (batched with other rows). Not for scattered prefills."""
+        if self.scattered:
+            raise RuntimeError("a scattered (CacheBlend) prefill runs in one forward: use run()")
+        n = max(1, min(n, self.remaining))
+        ids = self.tail[0, self.done : self.done + n]
+        start = int(self.positions[0, self.done])
+        self.done += n
+        return ids, start, self.done == self.tail.shape[1]
+
     def run(self, n: int) -> torch.Tensor | None:
         """Forward the next ``n`` tail tokens (all of them when scattered); the last token's logits
         (``[vocab]``) when this finished the prompt, else None."""

@@ -11,8 +11,8 @@ class BatchLimits:
     """``max_batch_size`` requests run at once (decoding or prefilling); a step forwards at most
     ``max_batched_tokens`` tokens: one per decoding row, the rest to prompt chunks."""
 
-    max_batch_size: int = 16
-    max_batched_tokens: int = 256
+    max_batch_size: int = 32
+    max_batched_tokens: int = 160
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batched_tokens"):
@@ -55,3 +55,21 @@ def prefill_chunks(decoding: int, remaining: list[int], limits: BatchLimits) -> 
 def plan_step(running: int, waiting: int, decoding: int, remaining: list[int], limits: BatchLimits) -> StepPlan:
     """The admissions and prefill chunks of one step (``remaining`` covers rows already admitted)."""
     return StepPlan(admit=admissions(running, waiting, limits), chunks=prefill_chunks(decoding, remaining, limits))
+
+
+def group_chunks(chunks: list[int], max_padding: float = 0.5) -> list[list[int]]:
+    """Indices of ``chunks`` (tokens per prefilling row; 0 = none this step) grouped into batched
+    forwards: rows are left-padded to the longest of their group, so a group is closed when its
+    padded size would exceed ``1 + max_padding`` times its real tokens."""
+    order = sorted((i for i, n in enumerate(chunks) if n > 0), key=lambda i: -chunks[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            widest = chunks[group[0]]
+            real = sum(chunks[k] for k in group) + chunks[i]
+            if widest * (len(group) + 1) <= (1 + max_padding) * real:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..batching import BatchLimits, BatchRunner, RowSampling, Sequence, plan_step
+from ..batching import BatchLimits, BatchRunner, RowSampling, Sequence, group_chunks, plan_step
 from .admission import Admitted, MemoryAdmission
 from .batch_metrics import BatchMetrics
 from .generation import Reply, ReplyText, SamplingParams
@@ -169,9 +169,9 @@ class BatchingQueue:
             logits = self.runner.decode([row.seq for row in decoding])
             for row, row_logits in zip(decoding, logits):
                 self._take(row, row_logits)
-        for row, n in zip(prefilling, chunks):
-            if n:
-                logits = self.runner.prefill(row.seq, n)
+        for group in group_chunks(chunks):
+            rows = [prefilling[i] for i in group]
+            for row, logits in zip(rows, self.runner.prefill([r.seq for r in rows], [chunks[i] for i in group])):
                 if logits is not None:
                     self._take(row, logits)
         self.metrics.observe_step(len(decoding), [n for n in chunks if n])

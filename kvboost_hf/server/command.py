@@ -64,11 +64,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--scheduler", choices=["batch", "workers"], default="batch",
                         help="batch: continuous batching, every running request decoded in one forward per step "
                              "(default); workers: one model.generate per worker thread")
-    limits.add_argument("--max-batch-size", type=int, default=16,
-                        help="--scheduler batch: requests running at once (decoding or prefilling; default 16)")
-    limits.add_argument("--max-batched-tokens", type=int, default=256,
+    limits.add_argument("--max-batch-size", type=int, default=32,
+                        help="--scheduler batch: requests running at once (decoding or prefilling; default 32)")
+    limits.add_argument("--max-batched-tokens", type=int, default=160,
                         help="--scheduler batch: tokens forwarded per step, one per decoding request and the rest "
-                             "prompt chunks; bounds how long a long prompt delays running streams (default 256)")
+                             "prompt chunks; bounds how long a long prompt delays running streams (default 160)")
     limits.add_argument("--workers", type=int, default=None,
                         help="--scheduler workers: requests generated at once, one model.generate each "
                              "(default: the CPU cores)")

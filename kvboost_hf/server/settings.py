@@ -44,8 +44,8 @@ class ServerSettings:
     memory_limit: int | None = None
     auto_truncate: bool = False
     scheduler: str = "workers"
-    max_batch_size: int = 16
-    max_batched_tokens: int = 256
+    max_batch_size: int = 32
+    max_batched_tokens: int = 160
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in RECOMPUTE_STRATEGIES:

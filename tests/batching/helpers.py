@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_hf.batching import BatchLimits, BatchRunner, Sequence, plan_step
+from kvboost_hf.batching import BatchLimits, BatchRunner, Sequence, group_chunks, plan_step
 
 
 def run_batch(runner: BatchRunner, seqs: list[Sequence], limits: BatchLimits, on_step=None) -> list[dict]:
@@ -24,12 +24,14 @@ def run_batch(runner: BatchRunner, seqs: list[Sequence], limits: BatchLimits, on
         if decoding:
             for seq, logits in zip(decoding, runner.decode(decoding)):
                 seq.sample(logits)
-        for seq, n in zip(prefilling, chunks):
-            if n:
-                logits = runner.prefill(seq, n)
+        groups = group_chunks(chunks)
+        for group in groups:
+            rows = [prefilling[i] for i in group]
+            for seq, logits in zip(rows, runner.prefill(rows, [chunks[i] for i in group])):
                 if logits is not None:
                     seq.sample(logits)
-        steps.append({"decoded": [id(s) for s in decoding], "chunks": {id(s): n for s, n in zip(prefilling, chunks) if n}})
+        steps.append({"decoded": [id(s) for s in decoding], "chunks": {id(s): n for s, n in zip(prefilling, chunks) if n},
+                      "prefill_forwards": [len(g) for g in groups]})
         if on_step is not None:
             on_step(steps[-1])
         for seq in [s for s in running if s.finished]:

@@ -28,6 +28,8 @@ def test_greedy_rows_equal_generate_alone(tiny, reuse):
     steps = run_batch(BatchRunner(tiny, store if reuse else None), seqs, BatchLimits(max_batch_size=4, max_batched_tokens=20))
     assert max(len(s["decoded"]) for s in steps) == 4  # rows really were decoded together
     assert any(len(s["chunks"]) and s["decoded"] for s in steps)  # prompt chunks interleaved with decode steps
+    if not reuse:
+        assert max(n for s in steps for n in s["prefill_forwards"]) > 1  # chunks of several prompts in one forward
     disable_chunk_reuse(tiny)
     for seq in seqs:
         assert seq.generated == generate_alone(tiny, seq.prompt_ids, seq.max_tokens, [2])
@@ -43,7 +45,7 @@ def test_first_step_logits_of_batched_rows_match_unbatched(tiny):
     runner = BatchRunner(tiny)
     for seq in seqs:
         runner.start(seq)
-        seq.sample(runner.prefill(seq, 10_000))
+        seq.sample(runner.prefill([seq], [10_000])[0])
     batched = runner.decode(seqs)  # the first decode step of five rows of different lengths
     for seq, row in zip(seqs, batched):
         ids = torch.tensor([seq.prompt_ids + seq.generated[:1]])
@@ -130,7 +132,7 @@ def test_gemma_batched_first_step_logits_match_unbatched(gemma_model):
         runner.start(seq)
         chunks = 0
         while seq.prefilling:  # several chunks for the longer prompts
-            logits, chunks = runner.prefill(seq, 8), chunks + 1
+            logits, chunks = runner.prefill([seq], [8])[0], chunks + 1
         seq.sample(logits)
         assert chunks == -(-len(seq.prompt_ids) // 8)
     batched = runner.decode(seqs)

@@ -41,3 +41,17 @@ def test_a_long_prompt_never_takes_more_than_one_step_budget():
 def test_bad_limits_name_the_setting(kwargs, name):
     with pytest.raises(ValueError, match=name):
         BatchLimits(**kwargs)
+
+
+def test_chunks_of_similar_length_share_a_forward_and_padding_stays_bounded():
+    from kvboost_hf.batching import group_chunks
+
+    assert group_chunks([20, 18, 0, 22, 19]) == [[3, 0, 4, 1]]
+    groups = group_chunks([200, 20, 18, 3, 0])
+    assert groups[0] == [0]  # the long chunk is not padded onto short ones, nor they onto it
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+    for group in groups:
+        lengths = [[200, 20, 18, 3, 0][i] for i in group]
+        assert max(lengths) * len(lengths) <= 1.5 * sum(lengths)
+    assert group_chunks([0, 0]) == []
+    assert group_chunks([5]) == [[0]]
