@@ -18,7 +18,8 @@ Parts (``--part``, default ``all``):
   against one transformers forward over a shared batched ``DynamicCache`` (the ideal: equal
   lengths, no copies), batch 1/4/8/16, 400-token contexts.
 
-``--quick`` shrinks everything to a smoke run. Writes docs/benchmarks/server_batching.json and .png.
+``--quick`` shrinks everything to a smoke run (written to a temporary folder). Writes
+docs/benchmarks/server_batching.json and .png.
 """
 
 from __future__ import annotations
@@ -380,10 +381,17 @@ def main() -> None:
     if args.part in ("admission", "all"):
         result["admission"] = admission_part(model, tokenizer, args)
     print_tables(result)
-    name = "server_batching_quick" if args.quick else "server_batching"
-    path = write_json(f"{name}.json", result)
+    if args.quick:  # a smoke run never lands in docs/
+        import json
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="server_batching_quick_"))
+        path = folder / "server_batching.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    else:
+        folder, path = DOCS_BENCH, write_json("server_batching.json", result)
     if "load" in result:
-        plot(result, DOCS_BENCH / f"{name}.png")
+        plot(result, folder / "server_batching.png")
     print(f"written to {path}")
 
 
