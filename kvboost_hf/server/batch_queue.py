@@ -213,7 +213,7 @@ class BatchingQueue:
         try:
             admission = self.admission()
             if admission is not None and request.admitted is not None and request.admitted.plan is not None:
-                row.resources.enter_context(admission.running(request.admitted))
+                row.resources.enter_context(admission.in_batch(request.admitted))
             self.runner.start(row.seq)
         except Exception as exc:
             logger.exception("starting a request failed")

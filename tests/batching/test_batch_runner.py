@@ -71,19 +71,24 @@ def test_prefill_chunks_store_and_reuse_like_generate(tiny):
     assert reused_out[0, len(later):].tolist() == generate_alone(tiny, later, 6, [])
 
 
-def test_approximate_strategy_rows_run_and_report_reuse(tiny_models):
+@pytest.mark.parametrize("strategy", ["selective", "cacheblend"])
+def test_approximate_strategy_rows_run_and_report_reuse(tiny_models, strategy):
     model = tiny_models["llama"]
     store = ChunkStore(max_bytes=50_000_000, chunk_size=16)
-    enable_chunk_reuse(model, store, recompute_strategy="selective")
+    enable_chunk_reuse(model, store, recompute_strategy=strategy)
     try:
         doc = random_ids(48, seed=7)[0].tolist()
         runner = BatchRunner(model, store)
         first = Sequence([5, 6, 7] + doc, max_tokens=3, sampling=RowSampling(temperature=0), eos_ids=[])
         run_batch(runner, [first], BatchLimits(2, 40))
         moved = Sequence([9, 9, 9, 9, 9] + doc + [11, 12], max_tokens=3, sampling=RowSampling(temperature=0), eos_ids=[])
-        run_batch(runner, [moved], BatchLimits(2, 40))
+        other = Sequence(random_ids(30, seed=8)[0].tolist(), max_tokens=6, sampling=RowSampling(temperature=0), eos_ids=[])
+        run_batch(runner, [other, moved], BatchLimits(2, 40))  # batched with an unrelated request
         assert moved.cache.stats.approximate_tokens > 0  # the moved document came from the store
+        assert moved.cache.stats.strategy == strategy
         assert len(moved.generated) == 3
+        disable_chunk_reuse(model)
+        assert other.generated == generate_alone(model, other.prompt_ids, 6, [])
     finally:
         disable_chunk_reuse(model)
 

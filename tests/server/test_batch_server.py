@@ -234,6 +234,17 @@ def test_request_timeout_is_504_and_frees_the_row():
         assert out.choices[0].finish_reason in ("stop", "length")
 
 
+def test_warm_runs_between_steps_and_later_rows_reuse_it():
+    model = make_tiny("qwen2", seed=27)
+    with serve(model, tiny_tokenizer(), scheduler="batch") as server:
+        text = cycle_words(48, start=2)
+        warmed = httpx.post(f"{server.base_url}/v1/warm", json={"text": text}, timeout=30).json()
+        assert warmed["stored_chunks"] >= 2
+        out = server.client().completions.create(model=MODEL_NAME, prompt=text + " w7 w8", max_tokens=3,
+                                                  temperature=0)
+    assert out.usage.prompt_tokens_details.cached_tokens >= 32
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(scheduler="continuous"), "scheduler"),
     (dict(scheduler="batch", max_batch_size=0), "max_batch_size"),
