@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DOCS_BENCH, environment, write_json  # noqa: E402
-from server_load import SYSTEM_PROMPT, chat_ids, cpu_pressure, eos_ids, percentile, questions  # noqa: E402
+from server_load import SYSTEM_PROMPT, chat_ids, cpu_pressure, percentile, questions  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
@@ -155,9 +155,10 @@ def generate_batch_load(model, tokenizer, clients: int, requests: int, low: int,
 
     disable_chunk_reuse(model)
     prompts = [chat_ids(tokenizer, f"{q} (client run {clients})") for q in questions(requests)]
-    config = GenerationConfig(max_new_tokens=high, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
-    manager = model.init_continuous_batching(generation_config=config,
-                                             continuous_batching_config=ContinuousBatchingConfig(allow_block_sharing=True))
+    config = GenerationConfig(max_new_tokens=high, do_sample=False, eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id)
+    sharing = ContinuousBatchingConfig(allow_block_sharing=True)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=sharing)
     manager.start()
     manager.add_request(prompts[0][:8], request_id="warm-up", max_new_tokens=2)
     while not ((result := manager.get_result(timeout=5)) and result.is_finished()):
@@ -168,7 +169,8 @@ def generate_batch_load(model, tokenizer, clients: int, requests: int, low: int,
         while pending or active:
             while pending and len(active) < clients:
                 i, ids = pending.pop(0)
-                rid = manager.add_request(ids, request_id=f"r{i}", max_new_tokens=new_tokens(i, low, high), streaming=True)
+                rid = manager.add_request(ids, request_id=f"r{i}", max_new_tokens=new_tokens(i, low, high),
+                                          streaming=True)
                 active[rid] = {"start": time.perf_counter(), "times": [], "seen": 0, "prompt": len(ids)}
             result = manager.get_result(timeout=1.0)
             if result is None or result.request_id not in active:
@@ -311,7 +313,8 @@ def mechanism_part(model, tokenizer, args) -> dict:
 # ----------------------------------------------------------------------------- report
 def print_tables(result: dict) -> None:
     if "load" in result:
-        print("| clients | scheduler | req/s | tok/s | TTFT p50 | TTFT p95 | inter-token p50 | inter-token p95 | cached / prompt |")
+        print("| clients | scheduler | req/s | tok/s | TTFT p50 | TTFT p95 | inter-token p50 | inter-token p95 "
+              "| cached / prompt |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for clients, row in result["load"].items():
             for name, r in row.items():

@@ -59,8 +59,9 @@ def main() -> None:
     run(runner, seqs[1:], limits)  # ...the others load it, decoded together
     for seq in seqs:
         reused = seq.cache.stats.reused_tokens
+        reply = tokenizer.decode(seq.generated, skip_special_tokens=True)
         print(f"[{reused:>3}/{len(seq.prompt_ids)} prompt tokens from the store] "
-              f"{tokenizer.decode(seq.prompt_ids[-8:])!r} -> {tokenizer.decode(seq.generated, skip_special_tokens=True)!r}")
+              f"{tokenizer.decode(seq.prompt_ids[-8:])!r} -> {reply!r}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def run_batch(runner: BatchRunner, seqs: list[Sequence], limits: BatchLimits, on
             for seq, logits in zip(rows, runner.prefill(rows, [chunks[i] for i in group])):
                 if logits is not None:
                     seq.sample(logits)
-        steps.append({"decoded": [id(s) for s in decoding], "chunks": {id(s): n for s, n in zip(prefilling, chunks) if n},
+        steps.append({"decoded": [id(s) for s in decoding],
+                      "chunks": {id(s): n for s, n in zip(prefilling, chunks) if n},
                       "prefill_forwards": [len(g) for g in groups]})
         if on_step is not None:
             on_step(steps[-1])

@@ -25,7 +25,8 @@ def test_greedy_rows_equal_generate_alone(tiny, reuse):
         enable_chunk_reuse(tiny, store)
     seqs = [Sequence(p, max_tokens=4 + 3 * i, sampling=RowSampling(temperature=0), eos_ids=[2])
             for i, p in enumerate(prompts(shared=37 if reuse else 0))]
-    steps = run_batch(BatchRunner(tiny, store if reuse else None), seqs, BatchLimits(max_batch_size=4, max_batched_tokens=20))
+    runner = BatchRunner(tiny, store if reuse else None)
+    steps = run_batch(runner, seqs, BatchLimits(max_batch_size=4, max_batched_tokens=20))
     assert max(len(s["decoded"]) for s in steps) == 4  # rows really were decoded together
     assert any(len(s["chunks"]) and s["decoded"] for s in steps)  # prompt chunks interleaved with decode steps
     if not reuse:
@@ -81,8 +82,9 @@ def test_approximate_strategy_rows_run_and_report_reuse(tiny_models, strategy):
         runner = BatchRunner(model, store)
         first = Sequence([5, 6, 7] + doc, max_tokens=3, sampling=RowSampling(temperature=0), eos_ids=[])
         run_batch(runner, [first], BatchLimits(2, 40))
-        moved = Sequence([9, 9, 9, 9, 9] + doc + [11, 12], max_tokens=3, sampling=RowSampling(temperature=0), eos_ids=[])
-        other = Sequence(random_ids(30, seed=8)[0].tolist(), max_tokens=6, sampling=RowSampling(temperature=0), eos_ids=[])
+        greedy = RowSampling(temperature=0)
+        moved = Sequence([9, 9, 9, 9, 9] + doc + [11, 12], max_tokens=3, sampling=greedy, eos_ids=[])
+        other = Sequence(random_ids(30, seed=8)[0].tolist(), max_tokens=6, sampling=greedy, eos_ids=[])
         run_batch(runner, [other, moved], BatchLimits(2, 40))  # batched with an unrelated request
         assert moved.cache.stats.approximate_tokens > 0  # the moved document came from the store
         assert moved.cache.stats.strategy == strategy

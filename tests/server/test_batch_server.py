@@ -135,7 +135,8 @@ def test_a_disconnect_frees_its_row_while_the_batch_keeps_running():
     with serve(model, tiny_tokenizer(), scheduler="batch", max_batch_size=4, max_batched_tokens=32) as server:
         forwards, handle = slow_steps(model)
         try:
-            long = {"model": MODEL_NAME, "prompt": cycle_words(8), "max_tokens": 400, "ignore_eos": True, "stream": True}
+            long = {"model": MODEL_NAME, "prompt": cycle_words(8), "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}
             kept, left = [], []
             kept_done, left_done = threading.Event(), threading.Event()
             threading.Thread(target=stream_lines, args=(server.base_url, long, 10_000, kept, kept_done),

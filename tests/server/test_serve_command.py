@@ -59,7 +59,8 @@ def test_flag_choices():
     assert worker_settings(args, "cpu") == {"workers": 1, "torch_threads": cores}
     workers = parse("--scheduler", "workers")
     assert worker_settings(workers, "cpu") == {"workers": cores, "torch_threads": 1}
-    assert worker_settings(parse("--scheduler", "workers", "--workers", "1"), "cpu") == {"workers": 1, "torch_threads": cores}
+    one_worker = parse("--scheduler", "workers", "--workers", "1")
+    assert worker_settings(one_worker, "cpu") == {"workers": 1, "torch_threads": cores}
     assert worker_settings(workers, "cuda") == {"workers": 1, "torch_threads": None}
 
 
