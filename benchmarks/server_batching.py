@@ -161,8 +161,10 @@ def generate_batch_load(model, tokenizer, clients: int, requests: int, low: int,
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=sharing)
     manager.start()
     manager.add_request(prompts[0][:8], request_id="warm-up", max_new_tokens=2)
+    deadline = time.perf_counter() + 300
     while not ((result := manager.get_result(timeout=5)) and result.is_finished()):
-        pass
+        if time.perf_counter() > deadline:
+            raise RuntimeError("generate_batch warm-up did not finish in 300 s")
     pending, active, rows = list(enumerate(prompts)), {}, []
     start = time.perf_counter()
     try:
