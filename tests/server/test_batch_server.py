@@ -254,3 +254,28 @@ def test_warm_runs_between_steps_and_later_rows_reuse_it():
 def test_bad_batch_settings_name_the_setting(kwargs, name):
     with pytest.raises(ValueError, match=name):
         ServerSettings(**kwargs)
+
+
+def test_jobs_without_a_row_request_run_whole_between_steps():
+    """What the batch rows do not implement runs as a plain job on the scheduler thread (e.g. warm)."""
+    from kvboost_hf.batching import BatchLimits
+    from kvboost_hf.server.batch_queue import BatchingQueue
+    from kvboost_hf.server.scheduler import Job
+
+    model, tokenizer = make_tiny("llama", seed=28), tiny_tokenizer()
+    queue = BatchingQueue(model, tokenizer, None, [2], BatchLimits(2, 8), max_queue=4)
+    queue.start()
+
+    async def run():
+        job = Job(lambda job: ("ran on", threading.current_thread().name))
+        queue.submit(job)
+        events = [await asyncio.wait_for(job.events.get(), 30) for _ in range(2)]
+        return events
+
+    try:
+        events = asyncio.run(run())
+    finally:
+        queue.stop()
+    assert events[0][0] == "started"
+    assert events[1] == ("done", ("ran on", "kvboost-batch"))
+    assert queue.completed == 1 and queue.depth == 0
