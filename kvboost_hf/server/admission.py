@@ -107,6 +107,19 @@ class MemoryAdmission:
         )
 
     @contextmanager
+    def in_batch(self, admitted: Admitted):
+        """Account the request's K/V while it is a row of the running batch (no per-request peak
+        measurement: rows share every forward, so a request's own peak is not observable)."""
+        key = id(admitted.plan)
+        with self._lock:
+            self._in_flight[key] = self.planner.kv_bytes(admitted.plan.prompt_tokens + admitted.plan.max_new_tokens)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.pop(key, None)
+
+    @contextmanager
     def running(self, admitted: Admitted):
         """Account the request's K/V while it runs, and record its predicted and measured peak."""
         plan = admitted.plan

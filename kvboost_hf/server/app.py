@@ -33,7 +33,9 @@ from .admission import Admitted, MemoryAdmission, MemoryCollector
 from .errors import APIError, install_error_handlers
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
 from .metrics import ServerMetrics
-from .scheduler import GenerationQueue, Job, QueueFullError
+from .batch_queue import RowRequest
+from .queues import make_queue
+from .scheduler import Job, QueueFullError
 from .store_metrics import RemoteStoreCollector
 from .streaming_metrics import StreamingCollector, streaming_snapshot
 from .settings import ServerSettings
@@ -64,8 +66,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         enable_chunk_reuse(model, store, recompute_strategy=strategy, tokenizer=tokenizer)
     else:
         disable_chunk_reuse(model)
-    queue = GenerationQueue(settings.max_queue, workers=settings.workers)
     metrics = ServerMetrics(store_bytes=lambda: store.nbytes, queue_depth=lambda: queue.depth)
+    queue = make_queue(settings, model, tokenizer, store, metrics.registry, lambda: service.admission)
     if streaming_snapshot(model) is not None:  # AWQ layer streaming: its counters on /metrics too
         metrics.registry.register(StreamingCollector(model))
     if store.stats().get("remote") is not None:  # a shared Redis tier: its counters on /metrics too
@@ -80,8 +82,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         if settings.torch_threads is not None:
             torch.set_num_threads(settings.torch_threads)
         queue.start()
-        logger.info("serving %s (reuse %s, %d workers, %d torch threads)", settings.model_name,
-                    "on" if settings.reuse else "off", settings.workers, torch.get_num_threads())
+        logger.info("serving %s (reuse %s, %s scheduler, %d workers, %d torch threads)", settings.model_name,
+                    "on" if settings.reuse else "off", settings.scheduler, queue.workers, torch.get_num_threads())
         try:
             yield
         finally:
@@ -180,7 +182,7 @@ class _AuthAndCount:
 class _Service:
     """The request handling behind the routes (validation, queueing, waiting, response shapes)."""
 
-    def __init__(self, model, tokenizer, store, settings: ServerSettings, queue: GenerationQueue,
+    def __init__(self, model, tokenizer, store, settings: ServerSettings, queue,
                  metrics: ServerMetrics) -> None:
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.settings, self.queue, self.metrics = settings, queue, metrics
@@ -210,7 +212,9 @@ class _Service:
             "reuse_enabled": self.settings.reuse,
             "store": self.store.stats(),
             "queue": {"waiting": self.queue.waiting, "running": self.queue.running, "depth": self.queue.depth,
-                      "max_queue": self.queue.max_queue, "workers": self.queue.workers},
+                      "max_queue": self.queue.max_queue, "workers": self.queue.workers,
+                      "scheduler": self.settings.scheduler},
+            **({"batching": self.queue.stats()} if hasattr(self.queue, "stats") else {}),
             **self.metrics.snapshot(),
             **({"streaming": streaming} if (streaming := streaming_snapshot(self.model)) is not None else {}),
             **({"memory": self.admission.stats()} if self.admission is not None else {}),
@@ -371,6 +375,7 @@ class _Service:
                 )
 
         job = Job(work)
+        job.request = RowRequest(prompt_ids, params, stream, admitted)  # what the batch scheduler runs
         self.submit(job)
         response_id = schemas.new_id("chatcmpl" if chat else "cmpl")
         try:

@@ -64,8 +64,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a request fits no full-precision plan, run it with its live K/V quantized to "
                              "these bits (8 and/or 4; approximate, no reuse; header X-Kvboost-KV-Bits) instead of 413")
     limits.add_argument("--no-memory-planning", action="store_true", help="admit every request without a memory plan")
+    limits.add_argument("--scheduler", choices=["batch", "workers"], default="batch",
+                        help="batch: continuous batching, every running request decoded in one forward per step "
+                             "(default); workers: one model.generate per worker thread")
+    limits.add_argument("--max-batch-size", type=int, default=32,
+                        help="--scheduler batch: requests running at once (decoding or prefilling; default 32)")
+    limits.add_argument("--max-batched-tokens", type=int, default=160,
+                        help="--scheduler batch: tokens forwarded per step, one per decoding request and the rest "
+                             "prompt chunks; bounds how long a long prompt delays running streams (default 160)")
     limits.add_argument("--workers", type=int, default=None,
-                        help="requests generated at once, one model.generate each (default: the CPU cores)")
+                        help="--scheduler workers: requests generated at once, one model.generate each "
+                             "(default: the CPU cores)")
     limits.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default on CPU: cores // workers, i.e. 1 per worker)")
     awq = parser.add_argument_group("AWQ layer streaming (--model must be an AutoAWQ GEMM checkpoint)")
@@ -154,8 +163,11 @@ def available_cores() -> int:
 
 
 def worker_settings(args: argparse.Namespace, device: str) -> dict:
-    """``workers`` and ``torch_threads``: on CPU one worker per core, one torch thread each (measured best)."""
+    """``workers`` and ``torch_threads``: on CPU one worker per core, one torch thread each (measured best);
+    the batch scheduler has one thread, with every core."""
     cores = available_cores()
+    if getattr(args, "scheduler", "workers") == "batch":
+        return {"workers": 1, "torch_threads": args.torch_threads or (cores if device == "cpu" else None)}
     workers = args.workers or (cores if device == "cpu" else 1)
     threads = args.torch_threads or (max(1, cores // workers) if device == "cpu" else None)
     return {"workers": workers, "torch_threads": threads}
@@ -210,6 +222,9 @@ def serve(args: argparse.Namespace) -> int:
             memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
             auto_truncate=args.auto_truncate,
             kv_bits_fallback=tuple(args.kv_bits_fallback),
+            scheduler=args.scheduler,
+            max_batch_size=args.max_batch_size,
+            max_batched_tokens=args.max_batched_tokens,
             **worker_settings(args, model_device),
         )
     except ValueError as err:

@@ -55,9 +55,13 @@ def test_flag_choices():
     args = parse()
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
     cores = available_cores()
-    assert worker_settings(args, "cpu") == {"workers": cores, "torch_threads": 1}
-    assert worker_settings(parse("--workers", "1"), "cpu") == {"workers": 1, "torch_threads": cores}
-    assert worker_settings(args, "cuda") == {"workers": 1, "torch_threads": None}
+    assert args.scheduler == "batch"  # continuous batching: one scheduler thread with every core
+    assert worker_settings(args, "cpu") == {"workers": 1, "torch_threads": cores}
+    workers = parse("--scheduler", "workers")
+    assert worker_settings(workers, "cpu") == {"workers": cores, "torch_threads": 1}
+    one_worker = parse("--scheduler", "workers", "--workers", "1")
+    assert worker_settings(one_worker, "cpu") == {"workers": 1, "torch_threads": cores}
+    assert worker_settings(workers, "cuda") == {"workers": 1, "torch_threads": None}
 
 
 def test_warm_file_in_blocks_then_requests_reuse_it(tmp_path, capsys):
