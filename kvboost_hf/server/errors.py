@@ -70,6 +70,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         return f"malformed JSON body: {first.get('msg', '')}", None, "invalid_json"
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ValueError):  # a validator's own message, without pydantic's "Value error, " prefix
+        msg = str(cause)
+        param = getattr(cause, "param", None) or param  # schemas.ParamError names the field of a cross-field check
     message = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
