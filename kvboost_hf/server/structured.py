@@ -18,6 +18,9 @@ import logging
 import threading
 from typing import Any
 
+import torch
+from transformers import LogitsProcessor
+
 logger = logging.getLogger(__name__)
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -40,17 +43,51 @@ class GrammarCompilers:
                 compiler = self._compilers[id(tokenizer)] = xgr.GrammarCompiler(info)
             return compiler
 
-    def json_processor(self, tokenizer, vocab_size: int, stop_ids: list[int], schema: dict[str, Any]):
+    def json_processor(self, tokenizer, vocab_size: int, stop_ids: list[int], schema: dict[str, Any]) -> GrammarMask:
         """A fresh logits processor (one per generate call) that allows only JSON matching ``schema``."""
         import xgrammar as xgr
-        from xgrammar.contrib.hf import LogitsProcessor as XGrammarLogitsProcessor
 
         compiler = self.compiler(tokenizer, vocab_size, stop_ids)
         try:
-            compiled = compiler.compile_json_schema(json.dumps(schema, sort_keys=True), any_whitespace=False)
+            compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         except (RuntimeError, ValueError, xgr.InvalidJSONError) as err:
             raise ValueError(f"the JSON schema cannot be compiled into a grammar: {err}") from None
-        return XGrammarLogitsProcessor(compiled)
+        return GrammarMask(compiled)
+
+
+class GrammarMask(LogitsProcessor):
+    """Masks every token the grammar does not allow next (one xgrammar matcher per batch row).
+
+    Like xgrammar's own ``contrib.hf.LogitsProcessor``, plus: a row whose grammar has ended
+    allows only its stop tokens, and a vocabulary that cannot continue the grammar raises a
+    ``RuntimeError`` saying so instead of silently sampling from an all ``-inf`` row.
+    """
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+        self.matchers: list = []
+        self.bitmask = None
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        import xgrammar as xgr
+
+        if not self.matchers:
+            self.matchers = [xgr.GrammarMatcher(self.compiled) for _ in range(input_ids.shape[0])]
+            self.bitmask = xgr.allocate_token_bitmask(input_ids.shape[0], self.compiled.tokenizer_info.vocab_size)
+        elif self.steps:
+            for row, matcher in enumerate(self.matchers):
+                if not matcher.is_terminated() and not matcher.accept_token(int(input_ids[row, -1])):
+                    raise RuntimeError(f"token {int(input_ids[row, -1])} breaks the grammar (a processor after it changed the choice?)")
+        self.steps += 1
+        for row, matcher in enumerate(self.matchers):
+            if not matcher.is_terminated():  # a finished row keeps its last mask (its stop tokens)
+                matcher.fill_next_token_bitmask(self.bitmask, row)
+        masked = scores.to("cpu", copy=True)
+        xgr.apply_token_bitmask_inplace(masked, self.bitmask)
+        if torch.isneginf(masked).all(dim=-1).any():
+            raise RuntimeError("no token of this vocabulary can continue the grammar (the tokenizer cannot spell JSON?)")
+        return masked.to(scores.device)
 
 
 def response_format_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

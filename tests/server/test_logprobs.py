@@ -1,0 +1,106 @@
+"""Logprobs through the API equal the model's own log-softmax (fp32, within 1e-4), with reuse on."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.server.conftest import MODEL_NAME, cycle_words, words
+
+TOL = 1e-4
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of a plain full forward: row i predicts ids[i + 1]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float(), dim=-1)
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    return [int(t.strip()[1:]) for t in tokens]  # the word tokenizer: "w12" is id 12
+
+
+def test_completion_logprobs_are_exact_with_reuse(tiny_server):
+    client, tokenizer, model = tiny_server.client(), tiny_server.tokenizer, tiny_server.model
+    shared = cycle_words(40, start=5)
+    client.completions.create(model=MODEL_NAME, prompt=shared + " " + words(20), max_tokens=2, temperature=0)
+    prompt = shared + " " + words(21, 22)
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    assert out.usage.prompt_tokens_details.cached_tokens >= 32  # the shared prefix came from the store
+    lp = out.choices[0].logprobs
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    generated = ids_of(lp.tokens)
+    assert len(generated) == out.usage.completion_tokens == 6
+    ref = reference_logprobs(model, prompt_ids + generated)
+    for i, (token, logprob, top) in enumerate(zip(generated, lp.token_logprobs, lp.top_logprobs)):
+        row = ref[len(prompt_ids) - 1 + i]
+        assert abs(logprob - row[token].item()) < TOL
+        values, indices = row.topk(3)
+        assert sorted(top) == sorted(f"w{j}" for j in indices.tolist())
+        for j, value in zip(indices.tolist(), values.tolist()):
+            assert abs(top[f"w{j}"] - value) < TOL
+        assert token == indices[0].item()  # greedy picks the top token
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_echo_with_zero_max_tokens_scores_the_prompt(tiny_server):
+    client, tokenizer, model = tiny_server.client(), tiny_server.tokenizer, tiny_server.model
+    prompt = cycle_words(37, start=11)
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0)  # now in the store
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice = out.choices[0]
+    assert choice.text == prompt and out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    ids = tokenizer(prompt)["input_ids"]
+    ref = reference_logprobs(model, ids)
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert len(choice.logprobs.token_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(choice.logprobs.token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOL
+        assert len(choice.logprobs.top_logprobs[i]) == 2
+
+
+def test_echo_token_prompts_in_one_request_like_lm_eval(tiny_server):
+    """lm-eval's loglikelihood request: token-id prompts, echo, max_tokens 1, logprobs 1, several prompts."""
+    client, model = tiny_server.client(), tiny_server.model
+    prompts = [[1, 10, 11, 12, 13], [1, 10, 11, 40, 41, 42]]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=1, echo=True, logprobs=1,
+                                    temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    for ids, choice in zip(prompts, out.choices):
+        token_logprobs = choice.logprobs.token_logprobs
+        assert len(token_logprobs) == len(ids) + 1  # the prompt, then the one generated token
+        ref = reference_logprobs(model, ids)
+        for i in range(1, len(ids)):
+            assert abs(token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOL
+            assert abs(max(choice.logprobs.top_logprobs[i].values()) - ref[i - 1].max().item()) < TOL
+
+
+def test_chat_logprobs_and_top_logprobs(tiny_server):
+    client, tokenizer, model = tiny_server.client(), tiny_server.tokenizer, tiny_server.model
+    messages = [{"role": "user", "content": words(14, 15, 16)}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    generated = ids_of([c.token for c in content])
+    ref = reference_logprobs(model, list(prompt_ids) + generated)
+    for i, entry in enumerate(content):
+        row = ref[len(prompt_ids) - 1 + i]
+        assert abs(entry.logprob - row[generated[i]].item()) < TOL
+        assert [t.token for t in entry.top_logprobs] == [f"w{j}" for j in row.topk(2).indices.tolist()]
+        assert entry.bytes == list(entry.token.encode())
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == out.choices[0].message.content
+
+
+def test_sampled_logprobs_are_the_models_not_the_samplers(tiny_server):
+    """With temperature and top_p the reported logprob is still the raw model distribution's."""
+    client, tokenizer, model = tiny_server.client(), tiny_server.tokenizer, tiny_server.model
+    prompt = words(30, 31)
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=1.5, top_p=0.8,
+                                    seed=4, logprobs=0)
+    ids = tokenizer(prompt)["input_ids"]
+    generated = ids_of(out.choices[0].logprobs.tokens)
+    ref = reference_logprobs(model, ids + generated)
+    for i, token in enumerate(generated):
+        assert abs(out.choices[0].logprobs.token_logprobs[i] - ref[len(ids) - 1 + i, token].item()) < TOL
