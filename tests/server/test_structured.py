@@ -13,9 +13,6 @@ import jsonschema
 import pytest
 import torch
 
-from kvboost_hf import ChunkStore
-from tests.server.conftest import serve
-
 NAME = "gemma"
 PERSON = {
     "type": "object",
@@ -35,13 +32,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                      "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}}}
-
-
-@pytest.fixture(scope="module")
-def gemma_server(gemma):
-    model, tokenizer = gemma
-    with serve(model, tokenizer, ChunkStore(max_bytes=400_000_000, chunk_size=32), model_name=NAME) as running:
-        yield running
 
 
 def ask(server, content: str, **kw):
