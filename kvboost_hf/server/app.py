@@ -35,10 +35,11 @@ from .admission import Admitted, MemoryAdmission, MemoryCollector
 from .choices import Choice, PromptPlan, empty_reply, run_choices
 from .errors import APIError, install_error_handlers
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
-from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from .logprobs import prompt_logprobs
 from .metrics import ServerMetrics
-from .processors import LogitBias, OpenAIPenalties
-from .responses import ChunkWriter, chat_choice, chat_finish, completion_choice, tool_calls_of
+from .processors import request_processors
+from .responses import ChunkWriter, chat_choice, completion_choice, usage_of
+from .sse import sse_events
 from .structured import GrammarCompilers, response_format_schema
 from .tokenize import install_tokenizer_routes
 from .tools import call_schema, plain_turns, template_renders_tools, with_tools_system
@@ -323,33 +324,9 @@ class _Service:
         return list(encoded["input_ids"])
 
     async def processors(self, body: schemas._SamplingRequest, schema: dict | None, param: str):
-        """The per-call logits processor factory of a request (None when it needs none); 400s for bad settings."""
-        bias = body.logit_bias or {}
-        bad = [t for t in bias if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"logit_bias token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
-                           param="logit_bias", code="invalid_value")
-        presence, frequency = body.presence_penalty or 0.0, body.frequency_penalty or 0.0
-        grammar = None
-        if schema is not None:
-            args = (self.tokenizer, self.vocab_size, self.eos_ids, schema)
-            try:
-                await run_in_threadpool(self.grammars.json_processor, *args)  # compiles (and caches) now: a 400 here
-            except ValueError as err:
-                raise APIError(400, str(err), param=param, code="invalid_value") from None
-            grammar = lambda: self.grammars.json_processor(*args)  # noqa: E731 - a fresh matcher per call
-        if grammar is None and not bias and not presence and not frequency:
-            return None
-
-        def make(prompt_len: int) -> list:
-            out = [grammar()] if grammar is not None else []
-            if bias:
-                out.append(LogitBias(bias))
-            if presence or frequency:
-                out.append(OpenAIPenalties(presence, frequency, prompt_len))
-            return out
-
-        return make
+        """The request's per-call logits processor factory (None when it needs none); 400s for bad settings."""
+        return await request_processors(body, schema, param, self.grammars, self.tokenizer, self.vocab_size,
+                                        self.eos_ids)
 
     # ------------------------------------------------------------------ endpoints
     async def completion(self, body: schemas.CompletionRequest, request: Request):
@@ -391,6 +368,9 @@ class _Service:
         plans = [PromptPlan(admitted, body.n, body.n)]
         return await self.generate(request, "/v1/chat/completions", plans, params, body, chat=True,
                                    tools=tools or None)
+
+    def sse(self, *args) -> AsyncIterator[str]:
+        return sse_events(self, *args)
 
     async def warm(self, body: schemas.WarmRequest, request: Request) -> dict:
         if not self.settings.reuse:
@@ -466,7 +446,7 @@ class _Service:
                 writer = ChunkWriter(response_id, schemas.now(), self.settings.model_name, chat,
                                      bool(body.stream_options and body.stream_options.include_usage))
                 return StreamingResponse(
-                    self._sse(job, route, arrival, deadline, writer, plans, params, tools, echoes),
+                    self.sse(job, route, arrival, deadline, writer, plans, params, tools, echoes),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
                 )
@@ -482,7 +462,7 @@ class _Service:
         choices: list[Choice] = value
         for choice in choices:
             self._record(route, arrival, choice.reply)
-        usage = _usage(plans, choices)
+        usage = usage_of(plans, choices)
         want_logprobs = params.logprobs is not None and (chat or body.logprobs is not None)
         if chat:
             payload: Any = schemas.ChatCompletion(
@@ -516,80 +496,3 @@ class _Service:
         ttft = None if reply.first_token_at is None else reply.first_token_at - arrival
         self.metrics.observe_generation(route, ttft, time.perf_counter() - arrival, reply.prompt_tokens,
                                         reply.cached_tokens, reply.completion_tokens)
-
-
-    async def _sse(self, job: Job, route: str, arrival: float, deadline: float, writer: ChunkWriter,
-                   plans: list[PromptPlan], params: SamplingParams, tools: list[dict] | None,
-                   echoes: list[str] | None) -> AsyncIterator[str]:
-        chat = writer.chat
-        indices = [number * plan.keep + k for number, plan in enumerate(plans) for k in range(plan.keep)]
-        finished = False
-        try:
-            for index in indices:
-                if chat:
-                    yield writer.chat_delta(index, {"role": "assistant", "content": ""})
-                elif echoes:
-                    yield writer.text(index, echoes[index // plans[0].keep])
-            while True:
-                try:
-                    kind, value = await self.next_event(job, deadline, None)
-                except TimeoutError:
-                    job.cancel()
-                    error = self.timeout_error()
-                    yield f"data: {_json(error.body())}\n\n"
-                    break
-                if kind == "delta":
-                    index, piece = value
-                    yield writer.chat_delta(index, {"content": piece}) if chat else writer.text(index, piece)
-                elif kind == "done":
-                    for choice in value:
-                        self._record(route, arrival, choice.reply)
-                        for line in self._closing_chunks(writer, choice, params, tools):
-                            yield line
-                    if writer.include_usage:
-                        yield writer.usage(_usage(plans, value))
-                    break
-                elif kind in ("error", "cancelled"):
-                    self.metrics.observe_outcome("failed" if kind == "error" else "cancelled")
-                    message = f"generation failed: {value}" if kind == "error" else "generation cancelled"
-                    yield f"data: {_json({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
-                    break
-            finished = True
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away mid-stream: stop generating for it
-                job.cancel()
-                self.metrics.observe_outcome("cancelled")
-                logger.info("client disconnected mid-stream; generation cancelled")
-
-    def _closing_chunks(self, writer: ChunkWriter, choice: Choice, params: SamplingParams,
-                        tools: list[dict] | None) -> list[str]:
-        """A streamed choice's last chunks: held-back content or tool calls, logprobs, the finish reason."""
-        reply, index = choice.reply, choice.index
-        if not writer.chat:
-            entries = [*(choice.prompt_logprobs or []), *(reply.logprobs or [])]
-            logprobs = completion_logprobs(self.tokenizer, entries) if params.logprobs is not None else None
-            return [writer.text(index, "", finish=reply.finish_reason, logprobs=logprobs)]
-        lines = []
-        calls = tool_calls_of(choice, tools)
-        if calls:
-            lines.append(writer.chat_delta(index, {"tool_calls": [c.openai(k) for k, c in enumerate(calls)]}))
-        elif tools and reply.text:
-            lines.append(writer.chat_delta(index, {"content": reply.text}))
-        if params.logprobs is not None:
-            lines.append(writer.chat_delta(index, {"content": ""}, logprobs=chat_logprobs(self.tokenizer, reply.logprobs or [])))
-        lines.append(writer.chat_delta(index, {}, finish=chat_finish(choice, calls)))
-        return lines
-
-
-def _usage(plans: list[PromptPlan], choices: list[Choice]) -> schemas.Usage:
-    """Prompt tokens once per prompt, completion tokens of every choice, cached tokens of each prompt's best."""
-    prompt = sum(len(p.prompt_ids) for p in plans)
-    cached = sum(max((c.reply.cached_tokens for c in choices if c.plan is p), default=0) for p in plans)
-    return schemas.Usage.of(prompt, sum(c.reply.completion_tokens for c in choices), min(cached, prompt))
-
-
-def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value, separators=(",", ":"))

@@ -12,8 +12,13 @@ the raw logits exactly as OpenAI documents, whatever the temperature.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from starlette.concurrency import run_in_threadpool
 from transformers import LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+
+from .errors import APIError
 
 
 class LogitBias(LogitsProcessor):
@@ -53,3 +58,38 @@ def sampling_processors(temperature: float, top_p: float) -> list[LogitsProcesso
     if temperature > 0 and top_p < 1.0:
         out.append(TopPLogitsWarper(top_p))
     return out
+
+
+async def request_processors(body, schema: dict | None, param: str, grammars, tokenizer, vocab_size: int,
+                             eos_ids: list[int]) -> Callable[[int], list] | None:
+    """A request's per-call processor factory ``make(prompt_len) -> [grammar, logit_bias, penalties]``.
+
+    None when the request needs none. Compiles the grammar now (cached), so a bad schema or token id
+    is a 400 naming ``param`` (``logit_bias``) before anything is queued.
+    """
+    bias = body.logit_bias or {}
+    bad = [t for t in bias if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias token ids must be in [0, {vocab_size}); got {bad[:5]}",
+                       param="logit_bias", code="invalid_value")
+    presence, frequency = body.presence_penalty or 0.0, body.frequency_penalty or 0.0
+    grammar = None
+    if schema is not None:
+        args = (tokenizer, vocab_size, eos_ids, schema)
+        try:
+            await run_in_threadpool(grammars.json_processor, *args)  # compiles (and caches) now: a 400 here
+        except ValueError as err:
+            raise APIError(400, str(err), param=param, code="invalid_value") from None
+        grammar = lambda: grammars.json_processor(*args)  # noqa: E731 - a fresh matcher per call
+    if grammar is None and not bias and not presence and not frequency:
+        return None
+
+    def make(prompt_len: int) -> list:
+        out = [grammar()] if grammar is not None else []
+        if bias:
+            out.append(LogitBias(bias))
+        if presence or frequency:
+            out.append(OpenAIPenalties(presence, frequency, prompt_len))
+        return out
+
+    return make

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import schemas
-from .choices import Choice
+from .choices import Choice, PromptPlan
 from .logprobs import chat_logprobs, completion_logprobs
 from .tools import ToolCall, parse_tool_calls
 
@@ -46,6 +46,13 @@ def completion_choice(tokenizer, choice: Choice, echo_text: str | None, logprobs
         index=choice.index, text=text, finish_reason=choice.reply.finish_reason,
         logprobs=completion_logprobs(tokenizer, entries) if logprobs else None,
     )
+
+
+def usage_of(plans: list[PromptPlan], choices: list[Choice]) -> schemas.Usage:
+    """Prompt tokens once per prompt, completion tokens of every choice, cached tokens of each prompt's best."""
+    prompt = sum(len(p.prompt_ids) for p in plans)
+    cached = sum(max((c.reply.cached_tokens for c in choices if c.plan is p), default=0) for p in plans)
+    return schemas.Usage.of(prompt, sum(c.reply.completion_tokens for c in choices), min(cached, prompt))
 
 
 def data(payload: dict[str, Any]) -> str:

@@ -3,7 +3,6 @@ mode, batch) on the real Gemma-3-270M, and the completions ``OpenAI`` LLM's ``ba
 
 from __future__ import annotations
 
-import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
@@ -32,6 +31,7 @@ def chat_model(server, max_tokens: int = 40) -> ChatOpenAI:
                       max_tokens=max_tokens, max_retries=0, timeout=300)
 
 
+@pytest.mark.gemma
 def test_bind_tools_returns_parsed_tool_calls(gemma_server):
     llm = chat_model(gemma_server).bind_tools([get_weather], tool_choice="required")
     message = llm.invoke("What is the weather in Oslo?")
@@ -42,6 +42,7 @@ def test_bind_tools_returns_parsed_tool_calls(gemma_server):
     assert get_weather.invoke(call["args"]).startswith("sunny in")  # the args fit the tool's own signature
 
 
+@pytest.mark.gemma
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_with_structured_output_returns_a_valid_pydantic_object(gemma_server, method):
     person = chat_model(gemma_server).with_structured_output(Person, method=method).invoke("Describe a person.")
@@ -49,6 +50,7 @@ def test_with_structured_output_returns_a_valid_pydantic_object(gemma_server, me
     assert 0 <= person.age <= 120 and len(person.name) <= 16
 
 
+@pytest.mark.gemma
 def test_with_structured_output_json_mode(gemma_server):
     schema = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}}
     llm = chat_model(gemma_server, max_tokens=80)
@@ -56,6 +58,7 @@ def test_with_structured_output_json_mode(gemma_server):
     assert isinstance(out, dict)
 
 
+@pytest.mark.gemma
 def test_chat_batch_matches_single_invokes(gemma_server):
     llm = chat_model(gemma_server, max_tokens=6)
     prompts = ["The capital of France is", "One, two, three,"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 NAME = "gemma"
+pytestmark = pytest.mark.gemma
 PERSON = {
     "type": "object",
     "properties": {
