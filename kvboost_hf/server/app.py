@@ -431,7 +431,8 @@ class _Service:
                         generate_kwargs=plan.admitted.plan.generate_kwargs if plan.admitted.plan else None,
                     )
 
-            echo = (lambda ids: prompt_logprobs(self.model, ids, params.logprobs or 0)) if echo_logprobs else None
+            store = self.store if self.settings.reuse else None
+            echo = (lambda ids: prompt_logprobs(self.model, ids, params.logprobs or 0, store)) if echo_logprobs else None
             return run_choices(plans, one, job.cancelled.is_set, echo)
 
         job = Job(work)

@@ -2,8 +2,11 @@
 
 Generated tokens: the raw logits generate returns (``output_logits=True``), before any logits
 processor, temperature or grammar mask, so a logprob is the model's and not the sampler's.
-Prompt tokens (``echo`` with ``logprobs``): one forward of the whole prompt without the reuse
-cache (prompt tokens served from the store have no logits to read, so the prompt is recomputed).
+Prompt tokens (``echo`` with ``logprobs``), with reuse on and ``top_logprobs`` 0: the logprobs
+the store keeps with its chunks are served from there, and only the rest of the prompt runs, as
+the tail of a forward whose prefix K/V come from the store; the logprobs found are then kept with
+the prompt's stored chunks for the next request. ``top_logprobs`` > 0 over prompt tokens, a
+lossy (quantized) store or reuse off: one full forward of the prompt.
 """
 
 from __future__ import annotations
@@ -11,6 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from ..cache import ChunkReuseCache
+from ..generate import finish_request
+from ..state import namespace, reuse_state
+from ..store.keys import UnfingerprintableModel
+from ..store.logprobs import attach_logprobs, stored_logprobs
 
 
 @dataclass
@@ -35,13 +44,56 @@ def logprobs_at(logits: torch.Tensor, token_ids: list[int], top: int) -> list[To
     return out
 
 
-def prompt_logprobs(model, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
-    """Logprobs of every prompt token given the ones before it (the first has none): one full forward."""
+def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None) -> list[TokenLogprob]:
+    """Logprobs of every prompt token given the ones before it (the first has none).
+
+    With ``store`` (reuse enabled on ``model``, lossless storage) and ``top`` 0, tokens whose
+    logprobs the store keeps are not recomputed; see the module docstring.
+    """
+    first = TokenLogprob(prompt_ids[0], None)
+    state = reuse_state(model) if store is not None else None
+    ns = _namespace_or_none(model) if state is not None else None
+    if top > 0 or ns is None or store.kv_bits is not None:
+        entries = [first, *_full_forward(model, prompt_ids, top)] if len(prompt_ids) > 1 else [first]
+        if ns is not None:
+            attach_logprobs(store, ns, prompt_ids, [e.logprob for e in entries])
+        return entries
+    known = stored_logprobs(store, ns, prompt_ids)
+    covered = max(len(known), 1)
+    if covered < len(prompt_ids):
+        fresh = _tail_forward(model, state, store, prompt_ids, covered)
+        known = [first.logprob, *known[1:covered]] + [e.logprob for e in fresh]
+        attach_logprobs(store, ns, prompt_ids, known)
+    return [TokenLogprob(t, None if i == 0 else known[i]) for i, t in enumerate(prompt_ids)]
+
+
+def _namespace_or_none(model):
+    try:
+        return namespace(model)
+    except UnfingerprintableModel:
+        return None
+
+
+def _full_forward(model, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     with torch.no_grad():
         logits = model(input_ids=input_ids, use_cache=False).logits[0, :-1]
-    first = TokenLogprob(prompt_ids[0], None)
-    return [first, *logprobs_at(logits, prompt_ids[1:], top)] if len(prompt_ids) > 1 else [first]
+    return logprobs_at(logits, prompt_ids[1:], top)
+
+
+def _tail_forward(model, state, store, prompt_ids: list[int], covered: int) -> list[TokenLogprob]:
+    """Logprobs of tokens ``covered...``: a forward whose prefix K/V come from the store (exact hits
+    only, else a full forward); the prompt's K/V are stored after it, as generate would."""
+    keep = len(prompt_ids) - covered + 1  # logits at positions covered - 1 ... the end
+    cache = ChunkReuseCache(model.config, store)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0, :-1]
+    stats = cache.stats
+    if stats is None or stats.exact_tokens != stats.reused_tokens:  # never serve logprobs from lossy K/V
+        return _full_forward(model, prompt_ids, 0)[covered - 1 :]
+    finish_request(state, cache)
+    return logprobs_at(logits, prompt_ids[covered:], 0)
 
 
 def token_text(tokenizer, token_id: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.server.conftest import MODEL_NAME, cycle_words, words
@@ -104,3 +105,42 @@ def test_sampled_logprobs_are_the_models_not_the_samplers(tiny_server):
     ref = reference_logprobs(model, ids + generated)
     for i, token in enumerate(generated):
         assert abs(out.choices[0].logprobs.token_logprobs[i] - ref[len(ids) - 1 + i, token].item()) < TOL
+
+
+def test_echo_logprobs_of_stored_tokens_come_from_the_store(tiny_server):
+    """The second scoring of a prompt forwards only what the store holds no logprobs for."""
+    client, tokenizer, model, store = tiny_server.client(), tiny_server.tokenizer, tiny_server.model, tiny_server.store
+    forwarded: list[int] = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwarded.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        prompt = cycle_words(45, start=23)  # 45 tokens: 2 whole 16-token chunks and a 13-token tail
+        first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+        forwarded.clear()
+        second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+        assert sum(forwarded) == 0  # every chunk of the prompt (16 + 16 + 13 tokens) holds its logprobs
+        assert second.choices[0].logprobs.token_logprobs == first.choices[0].logprobs.token_logprobs
+        ids = tokenizer(prompt)["input_ids"]
+        ref = reference_logprobs(model, ids)
+        for i in range(1, len(ids)):
+            assert abs(second.choices[0].logprobs.token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOL
+        # A longer prompt sharing the prefix: its stored part is served, the rest computed on top of stored K/V.
+        forwarded.clear()
+        longer = prompt + " " + words(7, 8, 9)
+        third = client.completions.create(model=MODEL_NAME, prompt=longer, max_tokens=0, echo=True, logprobs=0)
+        assert sum(forwarded) <= 16 + 3
+        ids = tokenizer(longer)["input_ids"]
+        ref = reference_logprobs(model, ids)
+        assert all(abs(third.choices[0].logprobs.token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOL
+                   for i in range(1, len(ids)))
+        # top_logprobs over prompt tokens recompute the whole prompt (and still agree).
+        forwarded.clear()
+        top = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+        assert sum(forwarded) == len(tokenizer(prompt)["input_ids"]) == 45
+        recomputed, served = top.choices[0].logprobs.token_logprobs, first.choices[0].logprobs.token_logprobs
+        assert recomputed[0] is None and served[0] is None
+        assert recomputed[1:] == pytest.approx(served[1:], abs=TOL)
+    finally:
+        handle.remove()
+    chunks = [e for e in store.entries() if e.logprobs is not None]
+    assert chunks and all(e.logprobs.dtype == torch.float32 and e.logprobs.shape == (e.num_tokens,) for e in chunks)
