@@ -65,7 +65,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if not errors:
         return "invalid request", None, "invalid_request"
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # pydantic names the union member that failed ("literal['none','auto']", "str"): not a field
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _union_member(str(part))]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}", None, "invalid_json"
     param = ".".join(loc) or None
@@ -78,6 +79,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return message, param, "invalid_value"
+
+
+def _union_member(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "function-after", "function-before")
 
 
 def install_error_handlers(app: FastAPI) -> None:

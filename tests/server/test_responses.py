@@ -51,3 +51,37 @@ def test_a_vocabulary_that_cannot_spell_json_fails_clearly(tiny_server):
     assert response.status_code == 500 and "can continue the grammar" in response.json()["error"]["message"]
     ok = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", timeout=60, json={**body, "response_format": None})
     assert ok.status_code == 200
+
+
+def test_bad_structured_output_requests_are_400_with_the_param(tiny_server):
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object"}}}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": "not an object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        ({"tools": [tool], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+        ({"tools": [tool], "functions": [tool["function"]]}, "functions"),
+    ]
+    for extra, param in cases:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": words(12)}], "max_tokens": 2, **extra}
+        response = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == param, (extra, response.json())
+
+
+def test_tool_choice_none_and_auto_without_a_call_answer_text(tiny_server):
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": words(12)}]
+    client = tiny_server.client()
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    for choice in ("none", "auto"):
+        out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                             tools=[tool], tool_choice=choice)
+        assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
+        assert out.choices[0].message.content
+    none = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                          tools=[tool], tool_choice="none")
+    assert none.choices[0].message.content == plain.choices[0].message.content  # "none": tools stay out of the prompt

@@ -115,3 +115,12 @@ def test_gemma_logprobs_exact_with_reuse(gemma_server):
     lp = out.choices[0].logprobs
     for i, token in enumerate(generated[: len(lp.token_logprobs)]):
         assert abs(lp.token_logprobs[i] - ref[len(ids) - 1 + i, token].item()) < 1e-4
+
+
+def test_legacy_functions_are_tools(gemma_server):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Add 1 and 2."}], "max_tokens": 24,
+            "temperature": 0, "functions": [ADD["function"]], "function_call": {"name": "add"}}
+    out = httpx.post(f"{gemma_server.base_url}/v1/chat/completions", json=body, timeout=300).json()
+    call = out["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "add" and out["choices"][0]["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ADD["function"]["parameters"])
