@@ -85,3 +85,9 @@ def test_tool_choice_none_and_auto_without_a_call_answer_text(tiny_server):
     none = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
                                           tools=[tool], tool_choice="none")
     assert none.choices[0].message.content == plain.choices[0].message.content  # "none": tools stay out of the prompt
+
+
+def test_chat_message_has_no_tool_calls_key_without_calls(tiny_server):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": words(12)}], "max_tokens": 2}
+    message = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]["message"]
+    assert message["role"] == "assistant" and "tool_calls" not in message and isinstance(message["content"], str)
