@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from ..cache import ChunkReuseCache
 from ..generate import finish_request
@@ -44,24 +45,29 @@ def logprobs_at(logits: torch.Tensor, token_ids: list[int], top: int) -> list[To
     return out
 
 
-def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None) -> list[TokenLogprob]:
+PROMPT_SLICE_TOKENS = 256  # prompt positions scored per forward: logits [256, vocab] (268 MB for Gemma's 262k)
+
+
+def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
+                    slice_tokens: int = PROMPT_SLICE_TOKENS) -> list[TokenLogprob]:
     """Logprobs of every prompt token given the ones before it (the first has none).
 
     With ``store`` (reuse enabled on ``model``, lossless storage) and ``top`` 0, tokens whose
-    logprobs the store keeps are not recomputed; see the module docstring.
+    logprobs the store keeps are not recomputed; see the module docstring. The prompt runs in
+    slices of ``slice_tokens`` positions, so logits never cover the whole prompt at once.
     """
     first = TokenLogprob(prompt_ids[0], None)
     state = reuse_state(model) if store is not None else None
     ns = _namespace_or_none(model) if state is not None else None
     if top > 0 or ns is None or store.kv_bits is not None:
-        entries = [first, *_full_forward(model, prompt_ids, top)] if len(prompt_ids) > 1 else [first]
+        entries = [first, *_score(model, prompt_ids, 1, top, DynamicCache(config=model.config), slice_tokens)]
         if ns is not None:
             attach_logprobs(store, ns, prompt_ids, [e.logprob for e in entries])
         return entries
     known = stored_logprobs(store, ns, prompt_ids)
     covered = max(len(known), 1)
     if covered < len(prompt_ids):
-        fresh = _tail_forward(model, state, store, prompt_ids, covered)
+        fresh = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens)
         known = [first.logprob, *known[1:covered]] + [e.logprob for e in fresh]
         attach_logprobs(store, ns, prompt_ids, known)
     return [TokenLogprob(t, None if i == 0 else known[i]) for i, t in enumerate(prompt_ids)]
@@ -74,26 +80,41 @@ def _namespace_or_none(model):
         return None
 
 
-def _full_forward(model, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, use_cache=False).logits[0, :-1]
-    return logprobs_at(logits, prompt_ids[1:], top)
+@torch.no_grad()
+def _score(model, prompt_ids: list[int], covered: int, top: int, cache, slice_tokens: int) -> list[TokenLogprob]:
+    """Logprobs of ``prompt_ids[covered:]`` (``covered`` >= 1), forwarding the prompt through ``cache`` in slices.
+
+    The first forward holds ``prompt_ids[:end]`` and keeps the logits of positions ``covered - 1``
+    on (a reuse cache loads the stored prefix before them and runs only the rest); each later
+    forward continues the cache with the next slice.
+    """
+    n = len(prompt_ids)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+    end = min(n, covered - 1 + slice_tokens)
+    logits = model(input_ids=ids[:, :end], past_key_values=cache, use_cache=True,
+                   logits_to_keep=end - covered + 1).logits[0]  # positions covered - 1 ... end - 1
+    out = logprobs_at(logits[:-1], prompt_ids[covered:end], top)
+    carry = logits[-1:]  # position end - 1 predicts token end
+    while end < n:
+        stop = min(n, end + slice_tokens)
+        logits = model(input_ids=ids[:, end:stop], past_key_values=cache, use_cache=True).logits[0]
+        out += logprobs_at(torch.cat([carry, logits[:-1]]), prompt_ids[end:stop], top)
+        carry, end = logits[-1:], stop
+    return out
 
 
-def _tail_forward(model, state, store, prompt_ids: list[int], covered: int) -> list[TokenLogprob]:
-    """Logprobs of tokens ``covered...``: a forward whose prefix K/V come from the store (exact hits
-    only, else a full forward); the prompt's K/V are stored after it, as generate would."""
-    keep = len(prompt_ids) - covered + 1  # logits at positions covered - 1 ... the end
+def _score_on_stored_prefix(model, state, store, prompt_ids: list[int], covered: int,
+                            slice_tokens: int) -> list[TokenLogprob]:
+    """Logprobs of tokens ``covered...`` on the prefix K/V the store holds (exact hits only, else
+    from scratch); the prompt's K/V are stored afterwards, as generate would."""
     cache = ChunkReuseCache(model.config, store)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     with torch.no_grad():
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0, :-1]
-    stats = cache.stats
-    if stats is None or stats.exact_tokens != stats.reused_tokens:  # never serve logprobs from lossy K/V
-        return _full_forward(model, prompt_ids, 0)[covered - 1 :]
+        out = _score(model, prompt_ids, covered, 0, cache, slice_tokens)
+        stats = cache.stats
+        if stats is None or stats.exact_tokens != stats.reused_tokens:  # never serve logprobs from lossy K/V
+            return _score(model, prompt_ids, covered, 0, DynamicCache(config=model.config), slice_tokens)
     finish_request(state, cache)
-    return logprobs_at(logits, prompt_ids[covered:], 0)
+    return out
 
 
 def token_text(tokenizer, token_id: int) -> str:

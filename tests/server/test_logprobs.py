@@ -144,3 +144,28 @@ def test_echo_logprobs_of_stored_tokens_come_from_the_store(tiny_server):
         handle.remove()
     chunks = [e for e in store.entries() if e.logprobs is not None]
     assert chunks and all(e.logprobs.dtype == torch.float32 and e.logprobs.shape == (e.num_tokens,) for e in chunks)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("slice_tokens", [5, 16, 256])
+def test_prompt_scoring_in_slices_and_on_stored_prefixes_is_exact(family, slice_tokens):
+    """Slices smaller than gemma3's sliding window (16) and than a chunk; stored prefix + slices."""
+    from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse
+    from kvboost_hf.server.logprobs import prompt_logprobs
+    from tests.conftest import make_tiny
+
+    model = make_tiny(family, seed=9)
+    ids = [1, *[(7 * i) % 90 + 3 for i in range(60)]]
+    ref = reference_logprobs(model, ids)
+    expected = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    plain = prompt_logprobs(model, ids, 3, slice_tokens=slice_tokens)
+    assert plain[0].logprob is None and [e.logprob for e in plain[1:]] == pytest.approx(expected, abs=TOL)
+    assert all([i for i, _ in e.top] == ref[k].topk(3).indices.tolist() for k, e in enumerate(plain[1:]))
+    store = ChunkStore(max_bytes=20_000_000, chunk_size=16)
+    enable_chunk_reuse(model, store)
+    try:
+        for prompt in (ids[:40], ids, ids):  # nothing stored; 40 tokens stored; everything stored
+            got = prompt_logprobs(model, prompt, 0, store, slice_tokens=slice_tokens)
+            assert [e.logprob for e in got[1:]] == pytest.approx(expected[: len(prompt) - 1], abs=TOL)
+    finally:
+        disable_chunk_reuse(model)
