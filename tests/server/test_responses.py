@@ -91,3 +91,29 @@ def test_chat_message_has_no_tool_calls_key_without_calls(tiny_server):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": words(12)}], "max_tokens": 2}
     message = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]["message"]
     assert message["role"] == "assistant" and "tool_calls" not in message and isinstance(message["content"], str)
+
+
+def test_a_template_that_renders_tools_gets_them_through_tools_kwarg():
+    """Templates that know tools get ``tools=`` (here each tool adds the word w9 and a tool turn w8)."""
+    from tests.conftest import make_tiny
+    from tests.server.conftest import serve, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{{ bos_token }} {% for t in tools or [] %}w9 {% endfor %}"
+        "{% for m in messages %}{{ {'system': 'w3', 'user': 'w4', 'assistant': 'w5', 'tool': 'w8'}[m['role']] }} "
+        "{{ m['content'] or '' }} {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
+    )
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": words(12)}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "pick", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": words(13)}]
+    with serve(make_tiny("llama", seed=2), tokenizer) as server:
+        client = server.client()
+        without = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+        with_tools = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                                    tools=[tool, {**tool, "function": {"name": "other"}}])
+    assert with_tools.usage.prompt_tokens == without.usage.prompt_tokens + 2  # w9 per tool, from the template
+    # the tool turn reached the template as role "tool" (w8), not rewritten as a user turn
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert without.usage.prompt_tokens == len(expected["input_ids"])
