@@ -62,7 +62,7 @@ class _Row:
         finish = None if seq.finish_reason == "cancelled" else seq.finish_reason
         return Reply(text=self.text.text, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
                      cached_tokens=stats.reused_tokens if stats is not None else 0, finish_reason=finish,
-                     first_token_at=seq.first_token_at)
+                     first_token_at=seq.first_token_at, token_ids=list(seq.generated))
 
 
 class BatchingQueue:
