@@ -6,7 +6,7 @@ request's next token in one batched forward, through :class:`PaddedRowsCache`, w
 each row's new K/V into that row's cache and shows attention the rows right-padded with a mask.
 Prompts are prefilled in chunks between decode steps (chunks of similar length batched together).
 
-- :mod:`.rows_cache`: the decode-step cache view and its attention masks;
+- :mod:`.rows_cache`: the cache view of one batched forward and its attention masks;
 - :mod:`.prefill`: a prompt's lookup (the reuse hook's own) and its chunked prefill;
 - :mod:`.sampling`: per-row sampling with the row's own generator;
 - :mod:`.sequence`: one request's state (tokens, text, stop, finish);

@@ -2,9 +2,10 @@
 
 :func:`start_prefill` runs the reuse hook's own request start on the whole prompt (exact and
 approximate lookup, repair, stats: what ``generate``'s first forward does), leaving the
-uncached tail to forward. :meth:`PromptPrefill.run` forwards the next ``n`` tail tokens; the
-hook is silenced there (the tail's tokens are already tracked), middle chunks skip the LM head,
-and the last chunk returns the logits of the prompt's last token.
+uncached tail to forward. :meth:`PromptPrefill.take` hands out the next tail tokens for a
+batched forward (:class:`~kvboost_hf.batching.runner.BatchRunner`); :meth:`PromptPrefill.run`
+forwards a scattered (CacheBlend) tail alone, all at once. The hook never runs again for these
+forwards (the tail's tokens are already tracked).
 """
 
 from __future__ import annotations

@@ -40,10 +40,11 @@ class BatchRunner:
                 batched.append(i)
         if batched:
             taken = [seqs[i].prefill.take(chunks[i]) for i in batched]
+            ends = [last for _, _, last in taken]
             logits = self._forward([seqs[i].cache for i in batched], [ids for ids, _, _ in taken],
-                                   [start for _, start, _ in taken])
-            for i, (_, _, last), row in zip(batched, taken, logits):
-                out[i] = row if last else None
+                                   [start for _, start, _ in taken], lm_head=any(ends))
+            for k, (i, last) in enumerate(zip(batched, ends)):
+                out[i] = logits[k] if last else None
         return out
 
     def decode(self, rows: list[Sequence]) -> torch.Tensor:
@@ -59,9 +60,11 @@ class BatchRunner:
         finish_request(state, cache)
         return cache.stats.stored_chunks if cache.stats is not None else 0
 
-    def _forward(self, caches: list, ids: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
+    def _forward(self, caches: list, ids: list[torch.Tensor], starts: list[int],
+                 lm_head: bool = True) -> torch.Tensor | None:
         """One forward of ``ids[b]`` (1D) at positions ``starts[b]``... for each row's cache, left-padded;
-        the logits of each row's last token, ``[rows, vocab]``."""
+        the logits of each row's last token, ``[rows, vocab]`` (None without ``lm_head``: only the
+        decoder runs, for prompt chunks that end no prompt)."""
         new = [int(t.numel()) for t in ids]
         width = max(new)
         input_ids = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
@@ -70,7 +73,10 @@ class BatchRunner:
             input_ids[b, width - new[b] :] = t.to(self.device)
             positions[b] = torch.arange(start - (width - new[b]), start + new[b], device=self.device).clamp(min=0)
         masks = row_masks(self.model.config, caches, new, self.dtype, self.device)
+        kwargs = dict(input_ids=input_ids, position_ids=positions, attention_mask=masks.attention_mask,
+                      past_key_values=PaddedRowsCache(caches, masks), use_cache=True)
         with torch.no_grad():
-            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=masks.attention_mask,
-                             past_key_values=PaddedRowsCache(caches, masks), use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+            if not lm_head:
+                self.model.base_model(**kwargs)
+                return None
+            return self.model(**kwargs, logits_to_keep=1).logits[:, -1]

@@ -23,7 +23,7 @@ def test_greedy_rows_equal_generate_alone(tiny, reuse):
     store = ChunkStore(max_bytes=50_000_000, chunk_size=16)
     if reuse:
         enable_chunk_reuse(tiny, store)
-    seqs = [Sequence(p, max_tokens=4 + 3 * i, sampling=RowSampling(temperature=0), eos_ids=[2])
+    seqs = [Sequence(p, max_tokens=3 + 2 * i, sampling=RowSampling(temperature=0), eos_ids=[2])
             for i, p in enumerate(prompts(shared=37 if reuse else 0))]
     runner = BatchRunner(tiny, store if reuse else None)
     steps = run_batch(runner, seqs, BatchLimits(max_batch_size=4, max_batched_tokens=20))

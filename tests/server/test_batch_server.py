@@ -191,18 +191,20 @@ def test_full_batch_and_queue_is_503_and_stats_and_metrics_show_the_batch():
     with serve(model, tiny_tokenizer(), scheduler="batch", max_batch_size=2, max_batched_tokens=16,
                max_queue=1) as server:
         forwards, handle = slow_steps(model)
-        body = {"model": MODEL_NAME, "prompt": cycle_words(5), "max_tokens": 300, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL_NAME, "prompt": cycle_words(5), "max_tokens": 150, "ignore_eos": True, "stream": True}
         streams = [([], threading.Event()) for _ in range(3)]
         try:
             for k, (lines, done) in enumerate(streams):
+                # Every stream stays connected until the end: the two rows stay busy while the 503 is checked.
                 threading.Thread(target=stream_lines, args=(server.base_url, {**body, "prompt": cycle_words(5, k)},
-                                                            6 if k < 2 else 10_000, lines, done), daemon=True).start()
+                                                            10_000, lines, done), daemon=True).start()
                 if k < 2:
                     server.wait_until(lambda: server.queue.running == k + 1, "a row to start")
             server.wait_until(lambda: server.queue.waiting == 1, "the third request to wait")
             response = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False}, timeout=10)
             assert response.status_code == 503
             assert response.json()["error"]["code"] == "queue_full"
+            assert server.queue.running == 2 and server.queue.waiting == 1  # nothing had finished meanwhile
         finally:
             handle.remove()
         for lines, done in streams:
