@@ -64,9 +64,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a request fits no full-precision plan, run it with its live K/V quantized to "
                              "these bits (8 and/or 4; approximate, no reuse; header X-Kvboost-KV-Bits) instead of 413")
     limits.add_argument("--no-memory-planning", action="store_true", help="admit every request without a memory plan")
-    limits.add_argument("--scheduler", choices=["batch", "workers"], default="batch",
+    limits.add_argument("--scheduler", choices=["batch", "workers"], default=None,
                         help="batch: continuous batching, every running request decoded in one forward per step "
-                             "(default); workers: one model.generate per worker thread")
+                             "(default); workers: one model.generate per worker thread (the default with --draft)")
     limits.add_argument("--max-batch-size", type=int, default=32,
                         help="--scheduler batch: requests running at once (decoding or prefilling; default 32)")
     limits.add_argument("--max-batched-tokens", type=int, default=160,
@@ -162,11 +162,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def scheduler_of(args: argparse.Namespace) -> str:
+    """``--scheduler``, or its default: ``batch``, except with ``--draft`` (speculation runs per request)."""
+    return getattr(args, "scheduler", None) or ("workers" if getattr(args, "draft", None) else "batch")
+
+
 def worker_settings(args: argparse.Namespace, device: str) -> dict:
     """``workers`` and ``torch_threads``: on CPU one worker per core, one torch thread each (measured best);
     the batch scheduler has one thread, with every core."""
     cores = available_cores()
-    if getattr(args, "scheduler", "workers") == "batch":
+    if scheduler_of(args) == "batch":
         return {"workers": 1, "torch_threads": args.torch_threads or (cores if device == "cpu" else None)}
     workers = args.workers or (cores if device == "cpu" else 1)
     threads = args.torch_threads or (max(1, cores // workers) if device == "cpu" else None)
@@ -208,6 +213,9 @@ def serve(args: argparse.Namespace) -> int:
         raise ServeError("--warm / --warm-file need reuse; drop --no-reuse")
     if args.no_reuse and args.draft:
         raise ServeError("--draft needs reuse (the draft's prefill is reused too); drop --no-reuse")
+    if args.draft and args.scheduler == "batch":
+        raise ServeError("--draft runs with --scheduler workers (speculation inside a batched step is not built); "
+                         "drop --scheduler batch")
     try:
         settings = ServerSettings(
             model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
@@ -222,7 +230,7 @@ def serve(args: argparse.Namespace) -> int:
             memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
             auto_truncate=args.auto_truncate,
             kv_bits_fallback=tuple(args.kv_bits_fallback),
-            scheduler=args.scheduler,
+            scheduler=scheduler_of(args),
             max_batch_size=args.max_batch_size,
             max_batched_tokens=args.max_batched_tokens,
             **worker_settings(args, model_device),

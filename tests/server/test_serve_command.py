@@ -16,6 +16,7 @@ from kvboost_hf.server.command import (
     available_cores,
     build_store,
     warm_texts,
+    scheduler_of,
     worker_settings,
 )
 from tests.conftest import make_tiny
@@ -55,7 +56,8 @@ def test_flag_choices():
     args = parse()
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
     cores = available_cores()
-    assert args.scheduler == "batch"  # continuous batching: one scheduler thread with every core
+    assert scheduler_of(args) == "batch"  # continuous batching: one scheduler thread with every core
+    assert scheduler_of(parse("--draft", "int4")) == "workers"  # speculation runs per request
     assert worker_settings(args, "cpu") == {"workers": 1, "torch_threads": cores}
     workers = parse("--scheduler", "workers")
     assert worker_settings(workers, "cpu") == {"workers": cores, "torch_threads": 1}

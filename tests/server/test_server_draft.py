@@ -55,6 +55,8 @@ def test_bad_draft_flags_are_clear_errors(capsys, tmp_path):
         build_draft("store", model, tokenizer, vocab=10)
     assert main(["serve", "--no-reuse", "--draft", "store"]) == 2
     assert "--draft needs reuse" in capsys.readouterr().err
+    assert main(["serve", "--draft", "store", "--scheduler", "batch"]) == 2
+    assert "--draft runs with --scheduler workers" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(["--draft", "int4", "--draft-vocab", "100", "--draft-layers", "2"])
@@ -73,4 +75,5 @@ def test_serve_command_with_draft(tmp_path):
             replies.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
             stats = httpx.get(f"{base}/v1/stats", timeout=10).json()
             assert ("speculation" in stats) == bool(flags)
+            assert stats["queue"]["scheduler"] == ("workers" if flags else "batch")  # --draft picks workers
     assert replies[0] == replies[1] and replies[0]
