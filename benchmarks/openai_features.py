@@ -1,10 +1,11 @@
 """Costs of the OpenAI features on Gemma-3-270M (float32, CPU), in one process, interleaved rounds.
 
 - ``prompt_logprobs``: scoring a prompt for ``echo`` + ``logprobs`` (lm-eval's loglikelihood
-  request). Three ways, each on a fresh prompt per round: a full forward (no store; also what
-  ``top_logprobs`` > 0 costs), the first scoring with the store (a forward that also stores K/V and
-  logprobs), and a second scoring of the same prompt (logprobs served from the store) and of the
-  prompt with a new 16-token ending (stored part served, the ending forwarded on stored K/V).
+  request), on a fresh prompt per round: a full forward of the prompt plus a 16-token ending (no
+  store; also what ``top_logprobs`` > 0 costs), then with a fresh store: the first scoring of the
+  prompt (a forward that also stores K/V and logprobs), a second scoring of it (logprobs served
+  from the store) and the prompt with the ending (stored part served, the ending forwarded on
+  stored K/V; compare with the full forward).
   Reports wall time and tokens forwarded.
 - ``grammar``: greedy generation of ``--new-tokens`` tokens with and without a JSON-schema
   grammar mask (xgrammar), per-token time; the first compile (vocabulary table) reported apart.
@@ -39,50 +40,49 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLengt
           "required": ["title", "year", "tags"]}
 
 
-class ForwardCounter:
-    """Counts the tokens the model's forward actually runs (after reuse trimmed the inputs)."""
-
-    def __init__(self, model) -> None:
-        self.tokens = 0
-        self.handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
-
-    def _count(self, module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self.tokens += int(ids.shape[1]) if ids is not None else 0
-
-    def take(self) -> int:
-        value, self.tokens = self.tokens, 0
-        return value
-
-
 def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
 
 
+def counted(model, fn) -> tuple[float, int, object]:
+    """(seconds, tokens the forwards actually ran, result) of ``fn()``. The counting hook is added
+    now, after reuse's own pre-hook, so it sees the inputs reuse trimmed."""
+    tokens = [0]
+
+    def count(module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens[0] += int(ids.shape[1]) if ids is not None else 0
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        seconds, out = timed(fn)
+    finally:
+        handle.remove()
+    return seconds, tokens[0], out
+
+
 def prompt_logprobs_part(model, tokenizer, texts: list[str], prompt_tokens: int, rounds: int) -> dict:
-    counter = ForwardCounter(model)
     rows: dict[str, list[tuple[float, int]]] = {"full_forward": [], "first_with_store": [], "second_same_prompt": [],
                                                 "second_new_ending": []}
-    try:
-        for r in range(rounds):
-            ids = tokenizer(texts[r % len(texts)])["input_ids"][:prompt_tokens]
-            ending = tokenizer(texts[(r + 1) % len(texts)])["input_ids"][:16]
-            disable_chunk_reuse(model)
-            seconds, reference = timed(lambda: prompt_logprobs(model, ids, 0))
-            rows["full_forward"].append((seconds, counter.take()))
-            store = ChunkStore(max_bytes=2_000_000_000, chunk_size=128)
-            enable_chunk_reuse(model, store)
+    for r in range(rounds):
+        ids = tokenizer(texts[r % len(texts)])["input_ids"][:prompt_tokens]
+        ending = tokenizer(texts[(r + 1) % len(texts)], add_special_tokens=False)["input_ids"][:16]
+        disable_chunk_reuse(model)
+        seconds, tokens, reference = counted(model, lambda: prompt_logprobs(model, ids + ending, 0))
+        rows["full_forward"].append((seconds, tokens))
+        store = ChunkStore(max_bytes=2_000_000_000, chunk_size=128)
+        enable_chunk_reuse(model, store)
+        try:
             for name, prompt in (("first_with_store", ids), ("second_same_prompt", ids),
                                  ("second_new_ending", ids + ending)):
-                seconds, got = timed(lambda: prompt_logprobs(model, prompt, 0, store))
-                rows[name].append((seconds, counter.take()))
+                seconds, tokens, got = counted(model, lambda: prompt_logprobs(model, prompt, 0, store))
+                rows[name].append((seconds, tokens))
                 worst = max(abs(a.logprob - b.logprob) for a, b in zip(got[1:], reference[1:]))
                 assert worst < 1e-4, f"{name}: logprobs differ from a full forward by {worst}"
+        finally:
             disable_chunk_reuse(model)
-    finally:
-        counter.handle.remove()
     return {name: {"median_s": statistics.median(s for s, _ in vals), "tokens_forwarded": statistics.median(
         t for _, t in vals)} for name, vals in rows.items()} | {"prompt_tokens": prompt_tokens}
 

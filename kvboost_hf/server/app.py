@@ -436,7 +436,8 @@ class _Service:
                     )
 
             store = self.store if self.settings.reuse else None
-            echo = (lambda ids: prompt_logprobs(self.model, ids, params.logprobs or 0, store)) if echo_logprobs else None
+            top = params.logprobs or 0
+            echo = (lambda ids: prompt_logprobs(self.model, ids, top, store)) if echo_logprobs else None
             return run_choices(plans, one, job.cancelled.is_set, echo)
 
         if len(plans) == 1 and row_compatible(plans[0], params, tools, echo_logprobs):

@@ -256,9 +256,10 @@ def generate_reply(
 
 
 def visible_tokens(tokenizer, generated: list[int], text: str) -> int:
-    """How many generated tokens a reply cut at a stop string keeps: those that began before the cut."""
+    """How many generated tokens a reply cut at a stop string keeps (for its logprobs): those whose
+    text lies wholly before the cut; a token the stop string starts inside is not one of them."""
     n = len(generated)
-    while n > 0 and len(tokenizer.decode(generated[: n - 1], skip_special_tokens=True)) >= len(text):
+    while n > 0 and len(tokenizer.decode(generated[:n], skip_special_tokens=True)) > len(text):
         n -= 1
     return n
 

@@ -132,7 +132,8 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_start: int 
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [
-            None if e.logprob is None and not e.top else {token_text(tokenizer, i): lp for i, lp in e.top} for e in entries
+            None if e.logprob is None and not e.top else {token_text(tokenizer, i): lp for i, lp in e.top}
+            for e in entries
         ],
         "text_offset": offsets,
     }

@@ -179,7 +179,8 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:

@@ -78,7 +78,8 @@ class GrammarMask(LogitsProcessor):
         elif self.steps:
             for row, matcher in enumerate(self.matchers):
                 if not matcher.is_terminated() and not matcher.accept_token(int(input_ids[row, -1])):
-                    raise RuntimeError(f"token {int(input_ids[row, -1])} breaks the grammar (a processor after it changed the choice?)")
+                    token = int(input_ids[row, -1])
+                    raise RuntimeError(f"token {token} breaks the grammar (a processor after the mask changed the choice?)")
         self.steps += 1
         for row, matcher in enumerate(self.matchers):
             if not matcher.is_terminated():  # a finished row keeps its last mask (its stop tokens)
@@ -86,7 +87,8 @@ class GrammarMask(LogitsProcessor):
         masked = scores.to("cpu", copy=True)
         xgr.apply_token_bitmask_inplace(masked, self.bitmask)
         if torch.isneginf(masked).all(dim=-1).any():
-            raise RuntimeError("no token of this vocabulary can continue the grammar (the tokenizer cannot spell JSON?)")
+            raise RuntimeError("no token of this vocabulary can continue the grammar "
+                               "(the tokenizer cannot spell JSON?)")
         return masked.to(scores.device)
 
 

@@ -33,7 +33,8 @@ class ToolCall:
     id: str = ""
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        out: dict[str, Any] = {"id": self.id, "type": "function", "function": function}
         return out if index is None else {"index": index, **out}
 
 

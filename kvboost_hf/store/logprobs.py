@@ -4,7 +4,8 @@ A token's logprob given everything before it is a property of the token chain an
 which is exactly what a chunk key names (a chained hash under the model's namespace). It costs
 4 bytes per token (float32). It is only known where a forward computed logits at every position
 (a prompt scored for ``echo`` + ``logprobs``), so it is attached to already stored chunks
-afterwards, and travels with the entry to the disk and Redis tiers when it is written after that.
+afterwards; the disk tier's files are rewritten with them, and a Redis copy carries them when it
+is written after that.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ def attach_logprobs(store, namespace: Key, token_ids: Sequence[int], logprobs: S
     that lies wholly inside it; returns how many chunks got them."""
     if len(logprobs) != len(token_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
-    attached = 0
+    attached = []
     for hit in store.lookup(namespace, token_ids):
         if not hit.exact or hit.offset or hit.num_tokens != hit.chunk.num_tokens:
             continue  # a chunk reaching past the prompt: the logprobs of its other tokens are unknown here
         values = logprobs[hit.start : hit.start + hit.num_tokens]
         hit.chunk.logprobs = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
-        attached += 1
-    return attached
+        attached.append(hit.chunk)
+    store.persist(attached)  # the disk tier's files get them too
+    return len(attached)

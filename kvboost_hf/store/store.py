@@ -371,6 +371,13 @@ class ChunkStore:
             tensors, metadata = to_tensors(entry)
             self._remote.write_async(entry.key, entry.parent, entry.token_ids, entry.bits, tensors, metadata)
 
+    def persist(self, entries: Sequence[StoredChunk]) -> None:
+        """Write RAM ``entries`` to the disk tier again, after a field was attached (per-token ``logprobs``)."""
+        with self._lock:
+            for entry in entries:
+                if self._ram.get(entry.key) is entry:
+                    self._write_disk(entry)
+
     def _write_disk(self, entry: StoredChunk) -> None:
         if self._disk is None or self._read_only:
             return

@@ -94,3 +94,22 @@ def test_logit_bias_and_penalties_apply_through_the_api(tiny_server):
     bad = httpx.post(f"{tiny_server.base_url}/v1/completions", timeout=10, json={
         "model": MODEL_NAME, "prompt": "w5", "logit_bias": {"500": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
+def test_streamed_chat_n_choices_each_open_and_close(tiny_server):
+    client = tiny_server.client()
+    messages = [{"role": "user", "content": words(70, 71)}]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, n=2, max_tokens=5, temperature=0)
+    texts: dict[int, str] = {0: "", 1: ""}
+    roles, finishes = [], {}
+    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=messages, n=2, max_tokens=5,
+                                                temperature=0, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.index)
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(roles) == [0, 1]
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert finishes == {c.index: c.finish_reason for c in full.choices}

@@ -169,3 +169,17 @@ def test_prompt_scoring_in_slices_and_on_stored_prefixes_is_exact(family, slice_
             assert [e.logprob for e in got[1:]] == pytest.approx(expected[: len(prompt) - 1], abs=TOL)
     finally:
         disable_chunk_reuse(model)
+
+
+def test_logprobs_stop_where_a_stop_string_cut_the_text(tiny_server):
+    client = tiny_server.client()
+    prompt = words(44, 45)
+    free = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    tokens = free.choices[0].logprobs.tokens
+    stop = tokens[3]  # the 4th generated word becomes a stop string
+    cut = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                    stop=[stop])
+    first = tokens.index(stop)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].logprobs.tokens == tokens[:first]  # the stop word's token is not part of the reply
+    assert cut.choices[0].logprobs.token_logprobs == free.choices[0].logprobs.token_logprobs[:first]

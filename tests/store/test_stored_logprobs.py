@@ -76,3 +76,25 @@ def tiny_prompt_store():
     model.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False)
     yield store, namespace(model), ids
     disable_chunk_reuse(model)
+
+
+def test_attached_logprobs_reach_the_disk_tier(tmp_path):
+    from kvboost_hf import disable_chunk_reuse, enable_chunk_reuse
+    from kvboost_hf.state import namespace
+    from tests.conftest import make_tiny
+
+    model = make_tiny("llama", seed=1)
+    store = ChunkStore(max_bytes=10_000_000, chunk_size=16, disk_path=tmp_path)
+    enable_chunk_reuse(model, store)
+    try:
+        ids = list(range(3, 43))
+        model.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False)
+        ns = namespace(model)
+        values = [None, *[-1.0 - i / 64 for i in range(1, len(ids))]]
+        assert attach_logprobs(store, ns, ids, values) == 3
+        store.flush()
+        reopened = ChunkStore(max_bytes=10_000_000, chunk_size=16, disk_path=tmp_path)  # RAM empty: files only
+        served = stored_logprobs(reopened, ns, ids)
+        assert served[0] is None and served[1:] == pytest.approx(values[1:])
+    finally:
+        disable_chunk_reuse(model)
