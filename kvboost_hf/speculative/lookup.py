@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,6 +54,18 @@ def store_ngrams(store: ChunkStore, namespace: Key) -> StoreNgrams:
             index = per_store[namespace] = StoreNgrams()
     index.refresh(store, namespace)
     return index
+
+
+class LazyStoreNgrams:
+    """The store-wide index, found and refreshed at the first proposal (after the first token, not before)."""
+
+    def __init__(self, find: Callable[[], StoreNgrams | None]) -> None:
+        self._find, self._index, self._found = find, None, False
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal | None:
+        if not self._found:
+            self._index, self._found = self._find(), True
+        return None if self._index is None else self._index.propose(context, max_tokens)
 
 
 class LookupProposer:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from ..state import namespace, reuse_state
 from ..store.keys import UnfingerprintableModel
 from .controller import ControllerSettings, DraftController
 from .generator import FixedProposer, MeasuredCandidateGenerator
-from .lookup import LookupProposer, store_ngrams
+from .lookup import LazyStoreNgrams, LookupProposer, store_ngrams
 from .model_draft import ModelProposer
 from .ngram import LookupSettings
 from .stats import SpeculationStats
@@ -33,6 +34,7 @@ from .stats import SpeculationStats
 logger = logging.getLogger(__name__)
 
 LOOKUP_DRAFTS = ("prompt-lookup", "store")
+_store_followers: weakref.WeakSet = weakref.WeakSet()  # drafts whose reuse was enabled with the target's store
 _current: contextvars.ContextVar[SpeculationRequest | None] = contextvars.ContextVar("kvboost_speculation",
                                                                                      default=None)
 
@@ -43,6 +45,8 @@ class SpeculationRequest:
     settings: ControllerSettings
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     proposer: object = None
+    controller: DraftController | None = None
+    memory_key: object = None  # which earlier requests' costs this one starts from
 
 
 def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
@@ -67,13 +71,14 @@ def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             raise ValueError(f"draft={draft!r} already drafts by lookup: drop prompt_lookup_num_tokens")
         kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
-        return SpeculationRequest(draft, settings, SpeculationStats(draft=draft))
+        return SpeculationRequest(draft, settings, SpeculationStats(draft=draft), memory_key=draft)
     assistant = draft if draft is not None else assistant
     if kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None:
         validate_draft(model, assistant)
     _enable_reuse_on(model, assistant)
     kwargs["assistant_model"] = assistant
-    return SpeculationRequest("model", settings, SpeculationStats(draft=getattr(assistant, "draft_name", "model")))
+    name = getattr(assistant, "draft_name", "model")
+    return SpeculationRequest("model", settings, SpeculationStats(draft=name), memory_key=("model", id(assistant)))
 
 
 def validate_draft(model: torch.nn.Module, draft) -> None:
@@ -111,13 +116,20 @@ def _settings(value) -> ControllerSettings:
 
 
 def _enable_reuse_on(model: torch.nn.Module, draft: torch.nn.Module) -> None:
-    """Give the draft the target's store, so its prompt prefill is reused too (its own namespace)."""
+    """Give the draft the target's store, so its prompt prefill is reused too (its own namespace).
+
+    A draft whose reuse was enabled here follows the target's store when the target moves to
+    another one; a draft the caller enabled reuse on keeps its own store."""
     state = reuse_state(model)
-    if state is None or draft is model or reuse_state(draft) is not None:
+    if state is None or draft is model:
+        return
+    draft_state = reuse_state(draft)
+    if draft_state is not None and (draft_state.store is state.store or draft not in _store_followers):
         return
     from ..reuse import enable_chunk_reuse  # noqa: PLC0415 - reuse imports the generate path
 
     enable_chunk_reuse(draft, state.store)
+    _store_followers.add(draft)
 
 
 def activate(request: SpeculationRequest | None) -> contextvars.Token:
@@ -137,13 +149,16 @@ def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, g
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
         proposer = ModelProposer(generator, request.stats.draft)
     elif request.kind in LOOKUP_DRAFTS:
-        proposer = LookupProposer(LookupSettings(), _store_index(model) if request.kind == "store" else None,
-                                  _eos_ids(generation_config))
+        store_index = LazyStoreNgrams(lambda: _store_index(model)) if request.kind == "store" else None
+        proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))
     else:
         proposer = FixedProposer(generator, request.stats.draft or type(generator).__name__)
     request.proposer = proposer
-    controller = None if isinstance(proposer, FixedProposer) else DraftController(request.settings)
-    return MeasuredCandidateGenerator(proposer, controller, request.stats, generation_config.max_length)
+    if not isinstance(proposer, FixedProposer):
+        state = reuse_state(model)
+        memory = state.speculation_costs.get(request.memory_key) if state is not None else None
+        request.controller = DraftController(request.settings, memory)
+    return MeasuredCandidateGenerator(proposer, request.controller, request.stats, generation_config.max_length)
 
 
 def finish(request: SpeculationRequest, output) -> None:
@@ -165,6 +180,8 @@ def record(state, request: SpeculationRequest, cache=None) -> None:
     stats = getattr(cache, "stats", None) or state.last_stats
     if stats is not None:
         stats.speculation = request.stats
+    if request.controller is not None and request.settings.adaptive:
+        state.speculation_costs[request.memory_key] = request.controller.memory()
     if request.proposer is not None:
         from .totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
 
