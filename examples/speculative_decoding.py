@@ -25,7 +25,8 @@ from kvboost_hf.models import load_model
 
 @dataclass
 class Arguments:
-    model_name_or_path: str | None = field(default=None, metadata={"help": "HF model id or path; default: Gemma-3-270M"})
+    model_name_or_path: str | None = field(default=None,
+                                           metadata={"help": "HF model id or path; default: Gemma-3-270M"})
     draft: str = field(default="store", metadata={"help": "int4, int8, prompt-lookup or store"})
     draft_vocab: int | None = field(default=None, metadata={"help": "FR-Spec head size of a self-draft"})
     draft_layers: int | None = field(default=None, metadata={"help": "self-draft keeps the first N layers"})
@@ -61,7 +62,8 @@ def main() -> None:
               f"prompt tokens from the store: {stats.reused_tokens}/{stats.prompt_tokens}")
         print(f"  draft {spec.draft}: {spec.rounds} target forwards, {spec.accepted_tokens}/{spec.drafted_tokens} "
               f"draft tokens accepted, {spec.tokens_per_round:.2f} tokens per forward, draft lengths {spec.choices}"
-              + (f", draft prompt tokens from the store: {spec.draft_reused_tokens}" if spec.draft_reused_tokens else "")
+              + (f", draft prompt tokens from the store: {spec.draft_reused_tokens}"
+                 if spec.draft_reused_tokens else "")
               + (f"\n  switched off: {spec.off_reason}" if spec.off_reason else ""))
     print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
