@@ -49,10 +49,11 @@ class SpeculationRequest:
     memory_key: object = None  # which earlier requests' costs this one starts from
 
 
-def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
+def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = None) -> SpeculationRequest | None:
     """Pop ``draft`` / ``speculation`` from generate's ``kwargs`` and set HF's arguments that select
     assisted decoding; None when the call does not speculate. A call naming no draft, assistant or
-    prompt lookup uses the model's default draft (:func:`set_default_draft`), if any."""
+    prompt lookup uses the model's default draft (:func:`set_default_draft`), if any and if the call
+    can speculate (one sequence of ``inputs``, no beam search)."""
     draft = kwargs.pop("draft", None)
     settings = kwargs.pop("speculation", None)
     assistant = kwargs.get("assistant_model")
@@ -60,7 +61,7 @@ def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             return SpeculationRequest("hf", _settings(settings), SpeculationStats(draft="hf-prompt-lookup"))
         state = reuse_state(model)
-        if state is None or state.default_draft is None or kwargs.get("num_beams", 1) not in (None, 1):
+        if state is None or state.default_draft is None or not _can_speculate(inputs, kwargs):
             return None
         draft, settings = state.default_draft, settings if settings is not None else state.default_speculation
     settings = _settings(settings)
@@ -79,6 +80,15 @@ def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
     kwargs["assistant_model"] = assistant
     name = getattr(assistant, "draft_name", "model")
     return SpeculationRequest("model", settings, SpeculationStats(draft=name), memory_key=("model", id(assistant)))
+
+
+def _can_speculate(inputs: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether HF's assisted decoding takes this call: batch 1 token ids, no beam search."""
+    if inputs is None or inputs.dim() != 2 or inputs.shape[0] != 1 or kwargs.get("inputs_embeds") is not None:
+        return False
+    config = kwargs.get("generation_config")
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1))
+    return beams in (None, 1)
 
 
 def validate_draft(model: torch.nn.Module, draft) -> None:
