@@ -64,7 +64,7 @@ def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = 
         if state is None or state.default_draft is None or not _can_speculate(inputs, kwargs):
             return None
         draft, settings = state.default_draft, settings if settings is not None else state.default_speculation
-    settings = _settings(settings)
+    settings = _settings(settings, lookup=isinstance(draft, str))
     if draft is not None and assistant is not None:
         raise ValueError("pass either draft= or assistant_model=, not both")
     if isinstance(draft, str):
@@ -115,9 +115,12 @@ def check_vocabulary(model: torch.nn.Module, draft: torch.nn.Module) -> None:
         )
 
 
-def _settings(value) -> ControllerSettings:
+LOOKUP_MAX_TOKENS = 16  # lookup drafts cost nothing to propose: let long copied spans through in one round
+
+
+def _settings(value, lookup: bool = False) -> ControllerSettings:
     if value is None:
-        return ControllerSettings()
+        return ControllerSettings(max_tokens=LOOKUP_MAX_TOKENS) if lookup else ControllerSettings()
     if isinstance(value, ControllerSettings):
         return value
     if isinstance(value, dict):
