@@ -35,7 +35,7 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
         kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
     from .speculative import request as speculation  # noqa: PLC0415 - speculative builds on this module
 
-    spec = speculation.prepare(model, kwargs) if state is not None else None
+    spec = speculation.prepare(model, kwargs, inputs) if state is not None else None
     cache = None
     if state is not None:
         cache, reason = _request_cache(model, state, inputs, kwargs)

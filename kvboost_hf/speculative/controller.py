@@ -2,8 +2,10 @@
 
 The rule (documented in docs/speculative.md):
 
-- Round 0 (the prompt prefill) and round 1 verify no draft: the first token arrives exactly
-  when it would without speculation, and round 1 measures the cost of a plain decode step.
+- Round 0 (the prompt prefill) verifies no draft: the first token arrives exactly when it would
+  without speculation. Round 1 measures the cost of a plain decode step, unless an earlier
+  request with the same draft already did: costs (and, weakly, acceptance) carry over between
+  requests through :class:`CostMemory`.
 - Acceptance follows the usual geometric model: each draft token is accepted with probability
   ``alpha`` given the previous one was. ``alpha`` is estimated from recent rounds (accepted
   tokens over accepted tokens plus rejections, decayed per round, starting from a weak prior).
@@ -19,6 +21,8 @@ The rule (documented in docs/speculative.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+PRIOR_WEIGHT = 2.0  # acceptance carried over from earlier requests counts as this many rounds
 
 
 @dataclass
@@ -54,6 +58,17 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+@dataclass
+class CostMemory:
+    """What one request learnt about a draft, for the next request with the same draft."""
+
+    plain_ms: float | None = None
+    verify_slope_ms: float | None = None
+    draft_ms_per_token: float | None = None
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+
 class _Ema:
     """Exponential moving average that is None until its first sample."""
 
@@ -67,7 +82,7 @@ class _Ema:
 class DraftController:
     """Chooses each round's draft length and learns from the round's outcome."""
 
-    def __init__(self, settings: ControllerSettings | None = None) -> None:
+    def __init__(self, settings: ControllerSettings | None = None, memory: CostMemory | None = None) -> None:
         self.settings = settings or ControllerSettings()
         self.round = 0
         self.accepted = self.settings.prior_accepted
@@ -76,9 +91,21 @@ class DraftController:
         self.verify_slope_ms = _Ema()
         self.draft_ms_per_token = _Ema()
         self.drafted_rounds = 0
+        if memory is not None:
+            self.plain_ms.value, self.verify_slope_ms.value = memory.plain_ms, memory.verify_slope_ms
+            self.draft_ms_per_token.value = memory.draft_ms_per_token
+            total = memory.accepted + memory.rejected
+            if total > 0:  # the earlier requests' acceptance, as a prior worth PRIOR_WEIGHT rounds
+                self.accepted = PRIOR_WEIGHT * memory.accepted / total
+                self.rejected = PRIOR_WEIGHT * memory.rejected / total
         self.off_until = -1
         self.backoff = self.settings.backoff_rounds
         self.off_reason = ""
+
+    def memory(self) -> CostMemory:
+        """The current estimates, to start the next request with the same draft from."""
+        return CostMemory(self.plain_ms.value, self.verify_slope_ms.value, self.draft_ms_per_token.value,
+                          self.accepted, self.rejected)
 
     @property
     def alpha(self) -> float:
@@ -91,7 +118,7 @@ class DraftController:
             return s.max_tokens
         if self.round == 0:
             return 0
-        if self.round == 1 or self.plain_ms.value is None:
+        if self.plain_ms.value is None:
             return 0
         if self.verify_slope_ms.value is None:
             return s.start_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from ..store.keys import Key
 from .ngram import LookupSettings, NgramIndex, Proposal
 
 STORE_LOOKUP = LookupSettings(max_ngram=6, min_ngram=2)  # one shared token says little across requests
+MAX_INDEXED_TOKENS = 1_000_000  # past this, the index is rebuilt from the chains the store holds now
 
 _indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> {namespace: StoreNgrams}
 _indexes_lock = threading.Lock()
@@ -28,17 +29,28 @@ _indexes_lock = threading.Lock()
 class StoreNgrams:
     """The n-gram index of one namespace's stored chains, refreshed incrementally."""
 
-    def __init__(self, settings: LookupSettings = STORE_LOOKUP) -> None:
+    def __init__(self, settings: LookupSettings = STORE_LOOKUP, max_tokens: int = MAX_INDEXED_TOKENS) -> None:
+        self.settings, self.max_tokens = settings, max_tokens
         self.index = NgramIndex(settings)
         self.known: set[Key] = set()
+        self.tokens = 0
+        self.rebuilt_tokens = 0  # tokens indexed right after the last rebuild (what the store held)
         self.lock = threading.Lock()
 
     def refresh(self, store: ChunkStore, namespace: Key) -> None:
-        """Index the chains stored since the last refresh."""
+        """Index the chains stored since the last refresh. Evicted chains stay indexed (they are only
+        ever verified) until the index holds more than ``max_tokens`` and twice what the store held at
+        the last rebuild; then it is rebuilt from the chains the store holds now."""
         with self.lock:
+            rebuild = self.tokens > max(self.max_tokens, 2 * self.rebuilt_tokens)
+            if rebuild:
+                self.index, self.known, self.tokens = NgramIndex(self.settings), set(), 0
             for key, ids in store.token_chains(namespace, skip=self.known):
                 self.index.add_sequence(ids)
                 self.known.add(key)
+                self.tokens += len(ids)
+            if rebuild:
+                self.rebuilt_tokens = self.tokens
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal | None:
         with self.lock:
@@ -54,6 +66,18 @@ def store_ngrams(store: ChunkStore, namespace: Key) -> StoreNgrams:
             index = per_store[namespace] = StoreNgrams()
     index.refresh(store, namespace)
     return index
+
+
+class LazyStoreNgrams:
+    """The store-wide index, found and refreshed at the first proposal (after the first token, not before)."""
+
+    def __init__(self, find: Callable[[], StoreNgrams | None]) -> None:
+        self._find, self._index, self._found = find, None, False
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal | None:
+        if not self._found:
+            self._index, self._found = self._find(), True
+        return None if self._index is None else self._index.propose(context, max_tokens)
 
 
 class LookupProposer:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from ..state import namespace, reuse_state
 from ..store.keys import UnfingerprintableModel
 from .controller import ControllerSettings, DraftController
 from .generator import FixedProposer, MeasuredCandidateGenerator
-from .lookup import LookupProposer, store_ngrams
+from .lookup import LazyStoreNgrams, LookupProposer, store_ngrams
 from .model_draft import ModelProposer
 from .ngram import LookupSettings
 from .stats import SpeculationStats
@@ -33,6 +34,7 @@ from .stats import SpeculationStats
 logger = logging.getLogger(__name__)
 
 LOOKUP_DRAFTS = ("prompt-lookup", "store")
+_store_followers: weakref.WeakSet = weakref.WeakSet()  # drafts whose reuse was enabled with the target's store
 _current: contextvars.ContextVar[SpeculationRequest | None] = contextvars.ContextVar("kvboost_speculation",
                                                                                      default=None)
 
@@ -43,12 +45,15 @@ class SpeculationRequest:
     settings: ControllerSettings
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     proposer: object = None
+    controller: DraftController | None = None
+    memory_key: object = None  # which earlier requests' costs this one starts from
 
 
-def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
+def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = None) -> SpeculationRequest | None:
     """Pop ``draft`` / ``speculation`` from generate's ``kwargs`` and set HF's arguments that select
     assisted decoding; None when the call does not speculate. A call naming no draft, assistant or
-    prompt lookup uses the model's default draft (:func:`set_default_draft`), if any."""
+    prompt lookup uses the model's default draft (:func:`set_default_draft`), if any and if the call
+    can speculate (one sequence of ``inputs``, no beam search)."""
     draft = kwargs.pop("draft", None)
     settings = kwargs.pop("speculation", None)
     assistant = kwargs.get("assistant_model")
@@ -56,10 +61,10 @@ def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             return SpeculationRequest("hf", _settings(settings), SpeculationStats(draft="hf-prompt-lookup"))
         state = reuse_state(model)
-        if state is None or state.default_draft is None or kwargs.get("num_beams", 1) not in (None, 1):
+        if state is None or state.default_draft is None or not _can_speculate(inputs, kwargs):
             return None
         draft, settings = state.default_draft, settings if settings is not None else state.default_speculation
-    settings = _settings(settings)
+    settings = _settings(settings, lookup=isinstance(draft, str))
     if draft is not None and assistant is not None:
         raise ValueError("pass either draft= or assistant_model=, not both")
     if isinstance(draft, str):
@@ -67,13 +72,23 @@ def prepare(model: torch.nn.Module, kwargs: dict) -> SpeculationRequest | None:
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             raise ValueError(f"draft={draft!r} already drafts by lookup: drop prompt_lookup_num_tokens")
         kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
-        return SpeculationRequest(draft, settings, SpeculationStats(draft=draft))
+        return SpeculationRequest(draft, settings, SpeculationStats(draft=draft), memory_key=draft)
     assistant = draft if draft is not None else assistant
     if kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None:
         validate_draft(model, assistant)
     _enable_reuse_on(model, assistant)
     kwargs["assistant_model"] = assistant
-    return SpeculationRequest("model", settings, SpeculationStats(draft=getattr(assistant, "draft_name", "model")))
+    name = getattr(assistant, "draft_name", "model")
+    return SpeculationRequest("model", settings, SpeculationStats(draft=name), memory_key=("model", id(assistant)))
+
+
+def _can_speculate(inputs: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether HF's assisted decoding takes this call: batch 1 token ids, no beam search."""
+    if inputs is None or inputs.dim() != 2 or inputs.shape[0] != 1 or kwargs.get("inputs_embeds") is not None:
+        return False
+    config = kwargs.get("generation_config")
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1))
+    return beams in (None, 1)
 
 
 def validate_draft(model: torch.nn.Module, draft) -> None:
@@ -100,9 +115,12 @@ def check_vocabulary(model: torch.nn.Module, draft: torch.nn.Module) -> None:
         )
 
 
-def _settings(value) -> ControllerSettings:
+LOOKUP_MAX_TOKENS = 16  # lookup drafts cost nothing to propose: let long copied spans through in one round
+
+
+def _settings(value, lookup: bool = False) -> ControllerSettings:
     if value is None:
-        return ControllerSettings()
+        return ControllerSettings(max_tokens=LOOKUP_MAX_TOKENS) if lookup else ControllerSettings()
     if isinstance(value, ControllerSettings):
         return value
     if isinstance(value, dict):
@@ -111,13 +129,20 @@ def _settings(value) -> ControllerSettings:
 
 
 def _enable_reuse_on(model: torch.nn.Module, draft: torch.nn.Module) -> None:
-    """Give the draft the target's store, so its prompt prefill is reused too (its own namespace)."""
+    """Give the draft the target's store, so its prompt prefill is reused too (its own namespace).
+
+    A draft whose reuse was enabled here follows the target's store when the target moves to
+    another one; a draft the caller enabled reuse on keeps its own store."""
     state = reuse_state(model)
-    if state is None or draft is model or reuse_state(draft) is not None:
+    if state is None or draft is model:
+        return
+    draft_state = reuse_state(draft)
+    if draft_state is not None and (draft_state.store is state.store or draft not in _store_followers):
         return
     from ..reuse import enable_chunk_reuse  # noqa: PLC0415 - reuse imports the generate path
 
     enable_chunk_reuse(draft, state.store)
+    _store_followers.add(draft)
 
 
 def activate(request: SpeculationRequest | None) -> contextvars.Token:
@@ -137,13 +162,16 @@ def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, g
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
         proposer = ModelProposer(generator, request.stats.draft)
     elif request.kind in LOOKUP_DRAFTS:
-        proposer = LookupProposer(LookupSettings(), _store_index(model) if request.kind == "store" else None,
-                                  _eos_ids(generation_config))
+        store_index = LazyStoreNgrams(lambda: _store_index(model)) if request.kind == "store" else None
+        proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))
     else:
         proposer = FixedProposer(generator, request.stats.draft or type(generator).__name__)
     request.proposer = proposer
-    controller = None if isinstance(proposer, FixedProposer) else DraftController(request.settings)
-    return MeasuredCandidateGenerator(proposer, controller, request.stats, generation_config.max_length)
+    if not isinstance(proposer, FixedProposer):
+        state = reuse_state(model)
+        memory = state.speculation_costs.get(request.memory_key) if state is not None else None
+        request.controller = DraftController(request.settings, memory)
+    return MeasuredCandidateGenerator(proposer, request.controller, request.stats, generation_config.max_length)
 
 
 def finish(request: SpeculationRequest, output) -> None:
@@ -165,6 +193,8 @@ def record(state, request: SpeculationRequest, cache=None) -> None:
     stats = getattr(cache, "stats", None) or state.last_stats
     if stats is not None:
         stats.speculation = request.stats
+    if request.controller is not None and request.settings.adaptive:
+        state.speculation_costs[request.memory_key] = request.controller.memory()
     if request.proposer is not None:
         from .totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
 

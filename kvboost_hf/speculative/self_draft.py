@@ -38,16 +38,20 @@ _DROPPED = (STATE_ATTR, RUNTIME_ATTR)
 
 @torch.no_grad()
 def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers: int | None = None, *,
-               tokenizer=None, texts=None) -> nn.Module:
+               tokenizer=None, texts=None, head_bits: int = 8) -> nn.Module:
     """A self-draft of ``model`` for ``model.generate(..., draft=...)`` / ``assistant_model=``.
 
-    ``bits`` (4 or 8): weight-only precision of the decoder linears and the LM head.
+    ``bits`` (4 or 8): weight-only precision of the decoder linears. ``head_bits`` (8 or 4): that of
+    the LM head (int8 by default: on Gemma-3-270M an int4 round-to-nearest head picks the float
+    head's top token 81% of the time on essay text, int8 97%).
     ``vocab``: keep the ``vocab`` most frequent tokens in the LM head (needs ``tokenizer``; counted
     on ``texts`` or the offline essays, cached). ``layers``: keep the first ``layers`` decoder layers.
     The target is not modified; embeddings and norms are shared, not copied.
     """
     if bits not in (4, 8):
         raise ValueError(f"make_draft(bits=...) must be 4 or 8, got {bits!r}")
+    if head_bits not in (4, 8):
+        raise ValueError(f"make_draft(head_bits=...) must be 4 or 8, got {head_bits!r}")
     config = model.config.get_text_config(decoder=True)
     if layers is not None and not 1 <= layers <= config.num_hidden_layers:
         raise ValueError(f"make_draft(layers=...) must be in 1..{config.num_hidden_layers}, got {layers!r}")
@@ -75,7 +79,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     if vocab is not None:
         ranking = token_ranking(tokenizer, config.vocab_size, texts)
         tokens = draft_vocabulary(ranking, vocab, _special_ids(model, tokenizer))
-    draft.lm_head = DraftHead.build(model.get_output_embeddings(), bits, config.vocab_size, tokens,
+    draft.lm_head = DraftHead.build(model.get_output_embeddings(), head_bits, config.vocab_size, tokens,
                                     getattr(config, "final_logit_softcapping", None))
     if getattr(draft.config, "final_logit_softcapping", None) is not None:
         draft.config.final_logit_softcapping = None  # applied inside DraftHead, before the -inf fill
@@ -105,7 +109,8 @@ def _clone(module: nn.Module, configs: dict) -> nn.Module:
     state["_parameters"] = dict(module._parameters)
     state["_buffers"] = dict(module._buffers)
     state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
-    state["_modules"] = {name: None if child is None else _clone(child, configs) for name, child in module._modules.items()}
+    state["_modules"] = {name: None if child is None else _clone(child, configs)
+                         for name, child in module._modules.items()}
     for key, value in state.items():
         if id(value) in configs:
             state[key] = configs[id(value)]

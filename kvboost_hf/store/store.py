@@ -457,7 +457,9 @@ class ChunkStore:
         """Drop every RAM entry (the disk tier and counters are kept)."""
         with self._lock:
             for key in list(self._ram):
-                entry = self._ram.pop(key)
+                entry = self._ram.pop(key, None)
+                if entry is None:
+                    continue  # already forgotten with an ancestor (a chain of more than one chunk)
                 self._bytes -= entry.nbytes
                 if self._disk is None:
                     self._forget(key)

@@ -78,3 +78,18 @@ def test_expected_tokens():
 def test_bad_settings_are_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ControllerSettings(**bad)
+
+
+def test_costs_carry_over_to_the_next_request():
+    first = DraftController()
+    _run(first, 20, accept=lambda k: k, slope_ms=2.0, draft_ms=0.5)
+    memory = first.memory()
+    assert memory.plain_ms == pytest.approx(100.0) and memory.verify_slope_ms == pytest.approx(2.0)
+    second = DraftController(memory=memory)
+    assert second.accepted + second.rejected == pytest.approx(2.0)  # carried-over acceptance: a weak prior
+    assert second.alpha > 0.9
+    choices = _run(second, 3, accept=lambda k: k, slope_ms=2.0, draft_ms=0.5)
+    assert choices[0] == 0 and choices[1] > 1  # still no draft at the prefill, but no plain measuring round
+    poor = DraftController()
+    _run(poor, 60, accept=lambda k: 0)
+    assert _run(DraftController(memory=poor.memory()), 4, accept=lambda k: 0)[1] == 0  # stays off from round 1

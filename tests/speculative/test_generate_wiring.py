@@ -92,9 +92,11 @@ def test_draft_prefill_comes_from_the_store_and_rejected_tokens_never_reach_it(f
     draft_key = namespace(draft)
     assert draft_key != namespace(model)  # the draft has its own namespace
     confirmed = first[0].tolist()
-    for _, tokens in store.token_chains(draft_key):
-        assert list(tokens) == confirmed[: len(tokens)]  # only confirmed tokens were stored
-    assert store.token_chains(draft_key)
+    for key in (draft_key, namespace(model)):
+        chains = store.token_chains(key)
+        assert chains
+        for _, tokens in chains:
+            assert list(tokens) == confirmed[: len(tokens)]  # only confirmed tokens were stored
     second = model.generate(ids, max_new_tokens=12, do_sample=False, draft=draft, speculation=ALWAYS)
     assert torch.equal(first, second)
     spec = last_request_stats(model).speculation

@@ -91,3 +91,37 @@ def test_proposer_prefers_the_longer_match_and_cuts_after_eos():
     assert out[0, 4:].tolist() == [9, 7, 5]  # only the request's own text matches
     out, _ = proposer.propose(torch.tensor([[5, 9, 7, 5, 9, 8]]), 3)  # the request grew by two tokens
     assert out.shape[1] == 6  # (9, 8) was never followed by anything: no draft
+
+
+def test_store_index_is_rebuilt_past_its_budget(reuse):
+    from kvboost_hf.speculative.lookup import StoreNgrams
+
+    model = make_tiny("llama")
+    store = reuse(model, chunk_size=4)
+    key = namespace(model)
+    index = StoreNgrams(max_tokens=30)
+    for seed in range(2):
+        model.generate(random_ids(20, 60 + seed), max_new_tokens=2, do_sample=False)
+        index.refresh(store, key)
+    assert index.tokens == 42 and len(index.known) == 2  # two 21-token chains: 21 was within the budget
+    store.clear()  # both chains evicted: still indexed
+    model.generate(random_ids(20, 70), max_new_tokens=2, do_sample=False)
+    index.refresh(store, key)  # 42 > 30: rebuilt from what the store holds now
+    assert index.tokens == 21 and index.rebuilt_tokens == 21 and len(index.known) == 1
+    model.generate(random_ids(20, 71), max_new_tokens=2, do_sample=False)
+    index.refresh(store, key)  # 21 <= max(30, 2 x 21): grows again
+    assert index.tokens == 42
+
+
+def test_default_draft_steps_aside_for_batches(reuse):
+    from kvboost_hf.speculative import set_default_draft
+
+    model = make_tiny("llama")
+    reuse(model)
+    set_default_draft(model, "store")
+    batch = random_ids(10, 80, batch=2)
+    ref_model = make_tiny("llama")
+    assert torch.equal(model.generate(batch, max_new_tokens=3, do_sample=False),
+                       ref_model.generate(batch, max_new_tokens=3, do_sample=False))
+    assert torch.equal(model.generate(batch[:1], max_new_tokens=3, do_sample=False, num_beams=2),
+                       ref_model.generate(batch[:1], max_new_tokens=3, do_sample=False, num_beams=2))

@@ -100,7 +100,7 @@ def test_frequency_ranking_is_counted_once_and_cached(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(bits=3), "bits"), (dict(layers=0), "layers"), (dict(layers=9), "layers"),
+    (dict(bits=3), "bits"), (dict(head_bits=16), "head_bits"), (dict(layers=0), "layers"), (dict(layers=9), "layers"),
     (dict(vocab=10), "tokenizer"), (dict(vocab=0, tokenizer=object()), "vocab"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
