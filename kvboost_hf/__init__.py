@@ -4,6 +4,7 @@ from . import attention
 from .cache import ChunkReuseCache
 from .quantized_cache import KIVICache
 from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats
+from .speculative import ControllerSettings, SpeculationStats, make_draft
 from .state import refresh_namespace
 from .store import ChunkStore
 from .telemetry import ReuseStats
@@ -24,6 +25,9 @@ __all__ = [
     "enable_chunk_reuse",
     "is_chunk_reuse_enabled",
     "last_request_stats",
+    "make_draft",
+    "ControllerSettings",
+    "SpeculationStats",
     "refresh_namespace",
     "warm",
 ]

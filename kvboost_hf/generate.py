@@ -33,6 +33,9 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
         if kwargs.get("past_key_values") is not None:
             raise ValueError("kv_bits builds the request's cache (a KIVICache): do not pass past_key_values as well")
         kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
+    from .speculative import request as speculation  # noqa: PLC0415 - speculative builds on this module
+
+    spec = speculation.prepare(model, kwargs, inputs) if state is not None else None
     cache = None
     if state is not None:
         cache, reason = _request_cache(model, state, inputs, kwargs)
@@ -41,14 +44,20 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
             state.last_stats = ReuseStats(prompt_tokens=prompt, recomputed_tokens=prompt, reason=reason)
     if cache is not None and segments is not None:
         cache.segments = [int(p) for p in segments]
+    token = speculation.activate(spec)
     try:
         output = original(*args, **kwargs)
     finally:
+        speculation.deactivate(token)
         attention.set_scattered_queries(None)
         if cache is not None:
             cache.end_blend()
+    if spec is not None:
+        speculation.finish(spec, output)
     if cache is not None:
         finish_request(state, cache)
+    if spec is not None:
+        speculation.record(state, spec, cache)
     return output
 
 

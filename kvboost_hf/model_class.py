@@ -42,6 +42,14 @@ class ReuseGenerateMixin:
 
         return generate_with_reuse(self, super().generate, args, kwargs)
 
+    def _get_candidate_generator(self, generation_config, input_ids, *args, **kwargs):
+        """HF's choice of candidate generator, wrapped or replaced for a ``draft=`` request
+        (:mod:`kvboost_hf.speculative.request`); HF's own otherwise."""
+        from .speculative.request import candidate_generator  # noqa: PLC0415
+
+        generator = super()._get_candidate_generator(generation_config, input_ids, *args, **kwargs)
+        return candidate_generator(self, generator, generation_config, input_ids)
+
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the plain model class: no reuse state, hooks or store.
 

@@ -37,6 +37,10 @@ class ReuseState:
     separator: tuple[int, ...] = ()
     leading_special: tuple[int, ...] = ()
     original_attention: str | None = None
+    default_draft: Any = None  # kvboost_hf.speculative.set_default_draft
+    default_speculation: Any = None
+    speculation_totals: Any = None
+    speculation_costs: dict = field(default_factory=dict)  # draft key -> CostMemory of its last request
 
     def boundaries(self, token_ids: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
         return segment_starts(token_ids, self.turn_tokens, self.separator, extra, self.leading_special)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .speculative.stats import SpeculationStats
 
 
 @dataclass
@@ -26,6 +30,7 @@ class ReuseStats:
     strategy: str = "exact"
     layer_tokens: list[int] = field(default_factory=list)
     reason: str = ""
+    speculation: SpeculationStats | None = None  # set when the call decoded speculatively
 
     @property
     def compute_fraction(self) -> float:
@@ -43,6 +48,8 @@ class ReuseStats:
         out = asdict(self)
         out["kv_reuse_ratio"] = self.kv_reuse_ratio
         out["compute_fraction"] = self.compute_fraction
+        if self.speculation is not None:
+            out["speculation"] = self.speculation.to_dict()
         return out
 
 

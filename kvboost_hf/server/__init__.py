@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server with cross-request KV reuse (``kvboost-hf serve``).
 
 Needs the ``server`` extra: ``pip install 'kvboost_hf[server]'`` (FastAPI, uvicorn,
-prometheus_client, tqdm). ``create_app(model, tokenizer, store, settings)`` builds the app
+prometheus_client, tqdm, xgrammar). ``create_app(model, tokenizer, store, settings)`` builds the app
 from objects in memory; ``kvboost-hf serve`` / ``python -m kvboost_hf.server`` load a model
 and run it with uvicorn.
 """

@@ -33,15 +33,17 @@ class Admitted:
     plan: RequestPlan
     truncated_from: int | None = None  # the original prompt length when --auto-truncate cut it
 
-    @property
-    def headers(self) -> dict[str, str]:
-        """Response headers that report what the plan changed: a truncated prompt, quantized live K/V."""
-        out = {}
-        if self.truncated_from is not None:
-            out["X-Kvboost-Truncated-From"] = str(self.truncated_from)
-        if self.plan is not None and self.plan.kv_bits is not None:
-            out["X-Kvboost-KV-Bits"] = str(self.plan.kv_bits)
-        return out
+
+def plan_headers(admitted: list[Admitted]) -> dict[str, str]:
+    """Response headers for the prompts of one request (comma-separated when several say something)."""
+    truncated = [str(a.truncated_from) for a in admitted if a.truncated_from is not None]
+    bits = [str(a.plan.kv_bits) for a in admitted if a.plan is not None and a.plan.kv_bits is not None]
+    out = {}
+    if truncated:
+        out["X-Kvboost-Truncated-From"] = ",".join(truncated)
+    if bits:
+        out["X-Kvboost-KV-Bits"] = ",".join(bits)
+    return out
 
 
 class _PeakSampler:
@@ -105,6 +107,19 @@ class MemoryAdmission:
             f"{plan.free_bytes / MIB:,.0f} MiB are free for requests: {what} (or retry when fewer requests run)",
             param="messages/prompt", code="request_too_large", details=plan.error_payload(),
         )
+
+    @contextmanager
+    def in_batch(self, admitted: Admitted):
+        """Account the request's K/V while it is a row of the running batch (no per-request peak
+        measurement: rows share every forward, so a request's own peak is not observable)."""
+        key = id(admitted.plan)
+        with self._lock:
+            self._in_flight[key] = self.planner.kv_bytes(admitted.plan.prompt_tokens + admitted.plan.max_new_tokens)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.pop(key, None)
 
     @contextmanager
     def running(self, admitted: Admitted):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app: ``create_app(model, tokenizer, store, settings)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``GET /v1/models``, ``POST /v1/warm``, ``GET /v1/stats``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``POST /v1/warm``, ``GET /v1/stats``, ``GET /health``, ``GET /metrics``, and
+vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``.
 Every request is checked (parameters, prompt length) before it is queued; generation runs on
 the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`.
 """
@@ -9,6 +10,7 @@ the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import math
@@ -29,11 +31,21 @@ from ..reuse import disable_chunk_reuse, enable_chunk_reuse
 from ..store import ChunkStore
 from ..warm import warm
 from . import schemas
-from .admission import Admitted, MemoryAdmission, MemoryCollector
+from .admission import Admitted, MemoryAdmission, MemoryCollector, plan_headers
+from .choices import Choice, PromptPlan, RowJob, empty_reply, row_compatible, run_choices
 from .errors import APIError, install_error_handlers
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
+from .logprobs import prompt_logprobs
 from .metrics import ServerMetrics
-from .scheduler import GenerationQueue, Job, QueueFullError
+from .batch_queue import RowRequest
+from .processors import request_processors
+from .queues import make_queue
+from .responses import ChunkWriter, chat_choice, completion_choice, usage_of
+from .scheduler import Job, QueueFullError
+from .sse import sse_events
+from .structured import GrammarCompilers, response_format_schema
+from .tokenize import install_tokenizer_routes
+from .tools import call_schema, plain_turns, template_renders_tools, with_tools_system
 from .store_metrics import RemoteStoreCollector
 from .streaming_metrics import StreamingCollector, streaming_snapshot
 from .settings import ServerSettings
@@ -64,8 +76,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         enable_chunk_reuse(model, store, recompute_strategy=strategy, tokenizer=tokenizer)
     else:
         disable_chunk_reuse(model)
-    queue = GenerationQueue(settings.max_queue, workers=settings.workers)
     metrics = ServerMetrics(store_bytes=lambda: store.nbytes, queue_depth=lambda: queue.depth)
+    queue = make_queue(settings, model, tokenizer, store, metrics.registry, lambda: service.admission)
     if streaming_snapshot(model) is not None:  # AWQ layer streaming: its counters on /metrics too
         metrics.registry.register(StreamingCollector(model))
     if store.stats().get("remote") is not None:  # a shared Redis tier: its counters on /metrics too
@@ -80,8 +92,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         if settings.torch_threads is not None:
             torch.set_num_threads(settings.torch_threads)
         queue.start()
-        logger.info("serving %s (reuse %s, %d workers, %d torch threads)", settings.model_name,
-                    "on" if settings.reuse else "off", settings.workers, torch.get_num_threads())
+        logger.info("serving %s (reuse %s, %s scheduler, %d workers, %d torch threads)", settings.model_name,
+                    "on" if settings.reuse else "off", settings.scheduler, queue.workers, torch.get_num_threads())
         try:
             yield
         finally:
@@ -131,6 +143,7 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request):
         return await service.chat_completion(body, request)
 
+    install_tokenizer_routes(app, service)
     return app
 
 
@@ -180,12 +193,14 @@ class _AuthAndCount:
 class _Service:
     """The request handling behind the routes (validation, queueing, waiting, response shapes)."""
 
-    def __init__(self, model, tokenizer, store, settings: ServerSettings, queue: GenerationQueue,
+    def __init__(self, model, tokenizer, store, settings: ServerSettings, queue,
                  metrics: ServerMetrics) -> None:
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.settings, self.queue, self.metrics = settings, queue, metrics
         self.context = context_length(model)
         self.eos_ids = stop_token_ids(model, tokenizer)
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        self.grammars = GrammarCompilers()
         self.created = int(time.time())
         limits = [v for v in (self.context, settings.max_prompt_tokens) if v is not None]
         self.prompt_limit = min(limits) if limits else None
@@ -210,7 +225,9 @@ class _Service:
             "reuse_enabled": self.settings.reuse,
             "store": self.store.stats(),
             "queue": {"waiting": self.queue.waiting, "running": self.queue.running, "depth": self.queue.depth,
-                      "max_queue": self.queue.max_queue, "workers": self.queue.workers},
+                      "max_queue": self.queue.max_queue, "workers": self.queue.workers,
+                      "scheduler": self.settings.scheduler},
+            **({"batching": self.queue.stats()} if hasattr(self.queue, "stats") else {}),
             **self.metrics.snapshot(),
             **({"streaming": streaming} if (streaming := streaming_snapshot(self.model)) is not None else {}),
             **({"memory": self.admission.stats()} if self.admission is not None else {}),
@@ -280,45 +297,85 @@ class _Service:
                     return "disconnected", None
 
     # ------------------------------------------------------------------ prompts
-    async def completion_prompt(self, body: schemas.CompletionRequest) -> list[int]:
-        if isinstance(body.prompt, str):
-            return (await run_in_threadpool(self.tokenizer, body.prompt))["input_ids"]
-        vocab = self.model.config.get_text_config(decoder=True).vocab_size
-        bad = [t for t in body.prompt if not 0 <= t < vocab]
+    async def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return (await run_in_threadpool(self.tokenizer, prompt))["input_ids"]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt",
+            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="prompt",
                            code="invalid_value")
-        return list(body.prompt)
+        return list(prompt)
 
-    async def chat_prompt(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the tokenizer has no chat template: use /v1/completions", param="messages")
         dicts = [m.template_dict() for m in messages]
+        extra: dict[str, Any] = {}
+        if template_renders_tools(self.tokenizer):
+            extra = {"tools": tools} if tools else {}
+        else:  # the template knows no tools: tool turns as text, the tool list in the system message
+            if any(d["role"] == "tool" or d.get("tool_calls") for d in dicts):
+                dicts = plain_turns(dicts)
+            if tools:
+                dicts = with_tools_system(dicts, tools)
         try:
             encoded = await run_in_threadpool(
                 self.tokenizer.apply_chat_template, dicts, add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=True,
+                tokenize=True, return_dict=True, **extra,
             )
         except Exception as err:  # jinja raise_exception: e.g. roles must alternate
             raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
         return list(encoded["input_ids"])
 
+    async def processors(self, body: schemas._SamplingRequest, schema: dict | None, param: str):
+        """The request's per-call logits processor factory (None when it needs none); 400s for bad settings."""
+        return await request_processors(body, schema, param, self.grammars, self.tokenizer, self.vocab_size,
+                                        self.eos_ids)
+
     # ------------------------------------------------------------------ endpoints
     async def completion(self, body: schemas.CompletionRequest, request: Request):
         self.check_model_name(body.model)
-        prompt_ids = await self.completion_prompt(body)
-        self.check_prompt_length(len(prompt_ids))
-        params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-        admitted = self.admit(prompt_ids, params.max_tokens)
-        return await self.generate(request, "/v1/completions", admitted, params, body, chat=False)
+        plans, echoes = [], []
+        for prompt in body.prompt:
+            prompt_ids = await self.completion_prompt(prompt)
+            self.check_prompt_length(len(prompt_ids))
+            params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+            admitted = self.admit(prompt_ids, max(params.max_tokens, 1))
+            plans.append(PromptPlan(admitted, body.best_of or body.n, body.n))
+            if body.echo:
+                same = admitted.truncated_from is None and isinstance(prompt, str)
+                echoes.append(prompt if same else self.tokenizer.decode(admitted.prompt_ids))
+        longest = max(len(p.prompt_ids) for p in plans)
+        params = self.sampling(body, longest, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        params.processors = await self.processors(body, None, "prompt")
+        if body.logprobs is not None or (body.best_of or body.n) > body.n:
+            params.logprobs = body.logprobs or 0  # best_of ranks candidates by their logprob
+        echo_logprobs = body.echo and body.logprobs is not None
+        return await self.generate(request, "/v1/completions", plans, params, body, chat=False,
+                                   echoes=echoes or None, echo_logprobs=echo_logprobs)
 
     async def chat_completion(self, body: schemas.ChatCompletionRequest, request: Request):
         self.check_model_name(body.model)
-        prompt_ids = await self.chat_prompt(body.messages)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+        prompt_ids = await self.chat_prompt(body.messages, tools=tools or None)
         self.check_prompt_length(len(prompt_ids))
         params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens)
+        forced, name = body.forced_tool
+        try:
+            schema = call_schema(tools, name) if forced else response_format_schema(body.response_format)
+        except ValueError as err:
+            raise APIError(400, str(err), param="response_format", code="invalid_value") from None
+        params.processors = await self.processors(body, schema, "tools" if forced else "response_format")
+        if body.logprobs:
+            params.logprobs = body.top_logprobs or 0
         admitted = self.admit(prompt_ids, params.max_tokens)
-        return await self.generate(request, "/v1/chat/completions", admitted, params, body, chat=True)
+        plans = [PromptPlan(admitted, body.n, body.n)]
+        return await self.generate(request, "/v1/chat/completions", plans, params, body, chat=True,
+                                   tools=tools or None)
+
+    def sse(self, *args) -> AsyncIterator[str]:
+        return sse_events(self, *args)
 
     async def warm(self, body: schemas.WarmRequest, request: Request) -> dict:
         if not self.settings.reuse:
@@ -347,30 +404,47 @@ class _Service:
         return {"object": "warm", "prompt_tokens": value.prompt_tokens, "reused_tokens": value.reused_tokens,
                 "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
 
+
     def admit(self, prompt_ids: list[int], max_tokens: int) -> Admitted:
         """The memory planner's decision (413 when nothing fits); everything is admitted when planning is off."""
         if self.admission is None:
             return Admitted(prompt_ids, None)
         return self.admission.admit(prompt_ids, max_tokens)
 
-    async def generate(self, request: Request, route: str, admitted: Admitted, params: SamplingParams,
-                       body: schemas._SamplingRequest, chat: bool):
+
+    async def generate(self, request: Request, route: str, plans: list[PromptPlan], params: SamplingParams,
+                       body: schemas._SamplingRequest, chat: bool, tools: list[dict] | None = None,
+                       echoes: list[str] | None = None, echo_logprobs: bool = False):
         arrival = time.perf_counter()
         deadline = arrival + self.settings.request_timeout
         stream = bool(body.stream)
-        prompt_ids = admitted.prompt_ids
-        headers = admitted.headers
+        headers = plan_headers([p.admitted for p in plans])
+        stream_text = stream and not tools  # a reply that may turn out to be a tool call is sent whole
 
-        def work(job: Job) -> Reply:
-            with self.admission.running(admitted) if self.admission else contextlib.nullcontext():
-                return generate_reply(
-                    self.model, self.tokenizer, prompt_ids, params, self.eos_ids,
-                    store=self.store if self.settings.reuse else None, cancelled=job.cancelled.is_set,
-                    on_delta=(lambda piece: job.emit("delta", piece)) if stream else None,
-                    generate_kwargs=admitted.plan.generate_kwargs if admitted.plan else None,
-                )
+        def work(job: Job) -> list[Choice]:
+            def one(plan: PromptPlan, index: int, candidate: int) -> Reply:
+                if params.max_tokens == 0:
+                    return empty_reply(len(plan.prompt_ids))
+                seeded = params if candidate == 0 or params.seed is None else dataclasses.replace(
+                    params, seed=params.seed + candidate)
+                with self.admission.running(plan.admitted) if self.admission else contextlib.nullcontext():
+                    return generate_reply(
+                        self.model, self.tokenizer, plan.prompt_ids, seeded, self.eos_ids,
+                        store=self.store if self.settings.reuse else None, cancelled=job.cancelled.is_set,
+                        on_delta=(lambda piece: job.emit("delta", (index, piece))) if stream_text else None,
+                        generate_kwargs=plan.admitted.plan.generate_kwargs if plan.admitted.plan else None,
+                    )
 
-        job = Job(work)
+            store = self.store if self.settings.reuse else None
+            top = params.logprobs or 0
+            echo = (lambda ids: prompt_logprobs(self.model, ids, top, store)) if echo_logprobs else None
+            return run_choices(plans, one, job.cancelled.is_set, echo)
+
+        if len(plans) == 1 and row_compatible(plans[0], params, tools, echo_logprobs):
+            job = RowJob(work, plans[0])  # a row of the batch scheduler (the worker scheduler runs work)
+            job.request = RowRequest(plans[0].prompt_ids, params, stream_text, plans[0].admitted)
+        else:
+            job = Job(work)  # the batch scheduler runs it whole, between steps
         self.submit(job)
         response_id = schemas.new_id("chatcmpl" if chat else "cmpl")
         try:
@@ -379,8 +453,10 @@ class _Service:
                 kind, value = await self.next_event(job, deadline, request)
                 if kind != "started":
                     return self._early_end(job, kind, value)
+                writer = ChunkWriter(response_id, schemas.now(), self.settings.model_name, chat,
+                                     bool(body.stream_options and body.stream_options.include_usage))
                 return StreamingResponse(
-                    self._sse(job, route, arrival, deadline, response_id, chat, body),
+                    self.sse(job, route, arrival, deadline, writer, plans, params, tools, echoes),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
                 )
@@ -393,19 +469,21 @@ class _Service:
         except TimeoutError:
             job.cancel()
             raise self.timeout_error() from None
-        reply: Reply = value
-        self._record(route, arrival, reply)
-        usage = schemas.Usage.of(reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens)
+        choices: list[Choice] = value
+        for choice in choices:
+            self._record(route, arrival, choice.reply)
+        usage = usage_of(plans, choices)
+        want_logprobs = params.logprobs is not None and (chat or body.logprobs is not None)
         if chat:
             payload: Any = schemas.ChatCompletion(
                 id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
-                choices=[schemas.ChatChoice(message=schemas.AssistantMessage(content=reply.text),
-                                            finish_reason=reply.finish_reason)],
+                choices=[chat_choice(self.tokenizer, c, tools, want_logprobs) for c in choices],
             )
         else:
             payload = schemas.Completion(
                 id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
-                choices=[schemas.CompletionChoice(text=reply.text, finish_reason=reply.finish_reason)],
+                choices=[completion_choice(self.tokenizer, c, echoes[c.index // c.plan.keep] if echoes else None,
+                                           want_logprobs) for c in choices],
             )
         return JSONResponse(payload.model_dump(mode="json"), headers=headers) if headers else payload
 
@@ -419,6 +497,7 @@ class _Service:
         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
                                        "code": "cancelled"}}, status_code=499)
 
+
     def _record(self, route: str, arrival: float, reply: Reply) -> None:
         if reply.finish_reason is None:
             self.metrics.observe_outcome("cancelled")
@@ -427,65 +506,3 @@ class _Service:
         ttft = None if reply.first_token_at is None else reply.first_token_at - arrival
         self.metrics.observe_generation(route, ttft, time.perf_counter() - arrival, reply.prompt_tokens,
                                         reply.cached_tokens, reply.completion_tokens)
-
-    async def _sse(self, job: Job, route: str, arrival: float, deadline: float, response_id: str, chat: bool,
-                   body: schemas._SamplingRequest) -> AsyncIterator[str]:
-        model_name, created = self.settings.model_name, schemas.now()
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
-            if chat:
-                delta = schemas.ChatDelta(role="assistant" if role else None, content=text)
-                payload: Any = schemas.ChatCompletionChunk(
-                    id=response_id, created=created, model=model_name,
-                    choices=[schemas.ChatChunkChoice(delta=delta, finish_reason=finish)],
-                )
-            else:
-                payload = schemas.Completion(
-                    id=response_id, created=created, model=model_name,
-                    choices=[schemas.CompletionChoice(text=text or "", finish_reason=finish)],
-                )
-            return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
-
-        finished = False
-        try:
-            if chat:
-                yield chunk("", role=True)
-            while True:
-                try:
-                    kind, value = await self.next_event(job, deadline, None)
-                except TimeoutError:
-                    job.cancel()
-                    error = self.timeout_error()
-                    yield f"data: {_json(error.body())}\n\n"
-                    break
-                if kind == "delta":
-                    yield chunk(value)
-                elif kind == "done":
-                    reply: Reply = value
-                    self._record(route, arrival, reply)
-                    yield chunk(None if chat else "", finish=reply.finish_reason)
-                    if include_usage:
-                        usage = schemas.Usage.of(reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens)
-                        cls = schemas.ChatCompletionChunk if chat else schemas.Completion
-                        last = cls(id=response_id, created=created, model=model_name, choices=[], usage=usage)
-                        yield f"data: {last.model_dump_json()}\n\n"
-                    break
-                elif kind in ("error", "cancelled"):
-                    self.metrics.observe_outcome("failed" if kind == "error" else "cancelled")
-                    message = f"generation failed: {value}" if kind == "error" else "generation cancelled"
-                    yield f"data: {_json({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
-                    break
-            finished = True
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away mid-stream: stop generating for it
-                job.cancel()
-                self.metrics.observe_outcome("cancelled")
-                logger.info("client disconnected mid-stream; generation cancelled")
-
-
-def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value, separators=(",", ":"))

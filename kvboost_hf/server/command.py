@@ -64,8 +64,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a request fits no full-precision plan, run it with its live K/V quantized to "
                              "these bits (8 and/or 4; approximate, no reuse; header X-Kvboost-KV-Bits) instead of 413")
     limits.add_argument("--no-memory-planning", action="store_true", help="admit every request without a memory plan")
+    limits.add_argument("--scheduler", choices=["batch", "workers"], default=None,
+                        help="batch: continuous batching, every running request decoded in one forward per step "
+                             "(default); workers: one model.generate per worker thread (the default with --draft)")
+    limits.add_argument("--max-batch-size", type=int, default=32,
+                        help="--scheduler batch: requests running at once (decoding or prefilling; default 32)")
+    limits.add_argument("--max-batched-tokens", type=int, default=160,
+                        help="--scheduler batch: tokens forwarded per step, one per decoding request and the rest "
+                             "prompt chunks; bounds how long a long prompt delays running streams (default 160)")
     limits.add_argument("--workers", type=int, default=None,
-                        help="requests generated at once, one model.generate each (default: the CPU cores)")
+                        help="--scheduler workers: requests generated at once, one model.generate each "
+                             "(default: the CPU cores)")
     limits.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default on CPU: cores // workers, i.e. 1 per worker)")
     awq = parser.add_argument_group("AWQ layer streaming (--model must be an AutoAWQ GEMM checkpoint)")
@@ -77,6 +86,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     awq.add_argument("--staging-slots", type=int, default=2, help="streamed layers materialised at once (default 2)")
     awq.add_argument("--awq-host", choices=["ram", "mmap"], default="ram",
                      help="where streamed weights live: host RAM, or a converted file mapped from disk")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--draft", default=None, metavar="int4|int8|prompt-lookup|store|PATH",
+                      help="draft for every request (greedy and sampling): a self-draft of the model (int4 / int8), "
+                           "prompt lookup, store-wide n-gram drafts, or an assistant model sharing the tokenizer")
+    spec.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                      help="self-draft LM head restricted to the N most frequent tokens (FR-Spec)")
+    spec.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                      help="self-draft keeps the first N decoder layers")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -145,9 +162,17 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def scheduler_of(args: argparse.Namespace) -> str:
+    """``--scheduler``, or its default: ``batch``, except with ``--draft`` (speculation runs per request)."""
+    return getattr(args, "scheduler", None) or ("workers" if getattr(args, "draft", None) else "batch")
+
+
 def worker_settings(args: argparse.Namespace, device: str) -> dict:
-    """``workers`` and ``torch_threads``: on CPU one worker per core, one torch thread each (measured best)."""
+    """``workers`` and ``torch_threads``: on CPU one worker per core, one torch thread each (measured best);
+    the batch scheduler has one thread, with every core."""
     cores = available_cores()
+    if scheduler_of(args) == "batch":
+        return {"workers": 1, "torch_threads": args.torch_threads or (cores if device == "cpu" else None)}
     workers = args.workers or (cores if device == "cpu" else 1)
     threads = args.torch_threads or (max(1, cores // workers) if device == "cpu" else None)
     return {"workers": workers, "torch_threads": threads}
@@ -186,6 +211,11 @@ def serve(args: argparse.Namespace) -> int:
     model_device = "cpu"  # load_model keeps the model on the CPU
     if args.no_reuse and (args.warm or args.warm_file):
         raise ServeError("--warm / --warm-file need reuse; drop --no-reuse")
+    if args.no_reuse and args.draft:
+        raise ServeError("--draft needs reuse (the draft's prefill is reused too); drop --no-reuse")
+    if args.draft and args.scheduler == "batch":
+        raise ServeError("--draft runs with --scheduler workers (speculation inside a batched step is not built); "
+                         "drop --scheduler batch")
     try:
         settings = ServerSettings(
             model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
@@ -200,6 +230,9 @@ def serve(args: argparse.Namespace) -> int:
             memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
             auto_truncate=args.auto_truncate,
             kv_bits_fallback=tuple(args.kv_bits_fallback),
+            scheduler=scheduler_of(args),
+            max_batch_size=args.max_batch_size,
+            max_batched_tokens=args.max_batched_tokens,
             **worker_settings(args, model_device),
         )
     except ValueError as err:
@@ -208,7 +241,12 @@ def serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_served_model(args)
     try:
         app = create_app(model, tokenizer, store, settings)
-    except ValueError as err:
+        if args.draft:
+            from .speculation import attach_speculation, build_draft
+
+            attach_speculation(app, model, build_draft(args.draft, model, tokenizer, args.draft_vocab,
+                                                       args.draft_layers))
+    except (ValueError, TypeError) as err:
         raise ServeError(str(err)) from err
     if args.warm or args.warm_file:
         limits = [v for v in (context_length(model), args.max_prompt_tokens) if v is not None]

@@ -65,15 +65,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if not errors:
         return "invalid request", None, "invalid_request"
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # pydantic names the union member that failed ("literal['none','auto']", "str"): not a field
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _union_member(str(part))]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}", None, "invalid_json"
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ValueError):  # a validator's own message, without pydantic's "Value error, " prefix
+        msg = str(cause)
+        param = getattr(cause, "param", None) or param  # schemas.ParamError names the field of a cross-field check
     message = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return message, param, "invalid_value"
+
+
+def _union_member(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "function-after", "function-before")
 
 
 def install_error_handlers(app: FastAPI) -> None:

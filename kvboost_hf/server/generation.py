@@ -22,6 +22,8 @@ from transformers.generation.streamers import BaseStreamer
 from ..cache import ChunkReuseCache
 from ..quantized_cache import KIVICache
 from ..reuse import is_chunk_reuse_enabled
+from .logprobs import TokenLogprob, logprobs_at
+from .processors import sampling_processors
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and the top k
+    # Builds this call's logits processors (grammar, logit_bias, penalties) from the prompt length:
+    # a fresh list per generate call (a grammar matcher is single-use).
+    processors: Callable[[int], list] | None = None
 
 
 @dataclass
@@ -55,6 +61,12 @@ class Reply:
     cached_tokens: int
     finish_reason: str | None
     first_token_at: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(e.logprob for e in self.logprobs or [] if e.logprob is not None)
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -185,10 +197,20 @@ def generate_reply(
         eos_token_id=None if params.ignore_eos else eos_ids,
         **(generate_kwargs or {}),  # the memory plan: e.g. prefill_chunk_size
     )
-    if params.temperature > 0:
+    processors = params.processors(len(prompt_ids)) if params.processors is not None else []
+    if params.temperature > 0 and processors:
+        # Custom processors first, then temperature and top-p (generate would put them last).
+        kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                      logits_processor=[*processors,
+                                        *sampling_processors(params.temperature, params.top_p)])
+    elif params.temperature > 0:
         kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if processors:
+            kwargs["logits_processor"] = processors
+    if params.logprobs is not None:
+        kwargs.update(return_dict_in_generate=True, output_logits=True)
     cache = None
     kv_bits = kwargs.pop("kv_bits", None)
     if kv_bits is not None:  # the plan's lossy last resort: no reuse for this request
@@ -201,7 +223,8 @@ def generate_reply(
             torch.manual_seed(params.seed)
         with torch.no_grad():
             output = model.generate(input_ids, **kwargs)
-    generated = output[0, len(prompt_ids) :].tolist()
+    sequences = output.sequences if params.logprobs is not None else output
+    generated = sequences[0, len(prompt_ids) :].tolist()
     stats = getattr(cache, "stats", None)
     cached = stats.reused_tokens if stats is not None else 0
     reply.update(generated)
@@ -215,6 +238,11 @@ def generate_reply(
         finish = "stop"
     else:
         finish = "length"
+    entries = None
+    if params.logprobs is not None:
+        shown = visible_tokens(tokenizer, generated, reply.text) if reply.stopped else len(generated)
+        logits = torch.stack([step[0] for step in output.logits[:shown]]) if shown else None
+        entries = logprobs_at(logits, generated[:shown], params.logprobs) if shown else []
     return Reply(
         text=reply.text,
         prompt_tokens=len(prompt_ids),
@@ -222,7 +250,18 @@ def generate_reply(
         cached_tokens=cached,
         finish_reason=finish,
         first_token_at=streamer.first_token_at,
+        token_ids=generated,
+        logprobs=entries,
     )
+
+
+def visible_tokens(tokenizer, generated: list[int], text: str) -> int:
+    """How many generated tokens a reply cut at a stop string keeps (for its logprobs): those whose
+    text lies wholly before the cut; a token the stop string starts inside is not one of them."""
+    n = len(generated)
+    while n > 0 and len(tokenizer.decode(generated[:n], skip_special_tokens=True)) > len(text):
+        n -= 1
+    return n
 
 
 def _pad_id(model, tokenizer, eos_ids: list[int]) -> int:

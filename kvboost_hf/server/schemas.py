@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API subset the server implements (pydantic models).
 
 Requests accept and ignore OpenAI fields that do not change the output here (``user``,
-``metadata``, ``store``, ...). Fields that would change it and are not supported (``n`` > 1,
-``logprobs``, ``echo``, tools, penalties) are refused with a 400 naming the field.
+``metadata``, ``store``, ``parallel_tool_calls``, ...). Fields that would change it and are not
+supported (``suffix``, non-text content parts) are refused with a 400 naming the field.
+Cross-field checks raise :class:`ParamError`, so the 400 names the field (``param``) too.
 """
 
 from __future__ import annotations
@@ -11,9 +12,19 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n, best_of and list prompts: at most this many generations per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (completions allow 5; we allow 20)
+
+
+class ParamError(ValueError):
+    """A request-level validation error that names the offending field (``param`` of the 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -29,23 +40,29 @@ class _SamplingRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int | None = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
     # vLLM extension: keep generating past the end-of-sequence token.
     ignore_eos: bool = False
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _one_choice(cls, value: int | None) -> int:
-        if value is not None and value != 1:
-            raise ValueError("only n=1 is supported (send separate requests for several samples)")
-        return 1
+    def _default_n(cls, value: Any) -> Any:
+        return 1 if value is None else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        bad = {k: v for k, v in (value or {}).items() if not -100.0 <= v <= 100.0}
+        if bad:
+            raise ValueError(f"biases must be in [-100, 100]; got {bad}")
+        return value or None
 
     @field_validator("stop")
     @classmethod
@@ -58,49 +75,46 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalty(cls, value: float | None) -> float:
-        if value:
-            raise ValueError("presence and frequency penalties are not supported; send 0")
-        return 0.0
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict | None) -> None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _zero_default(cls, value: float | None) -> float:
+        return value or 0.0
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``. ``prompt``: a string, a token id list, or a list holding one of them."""
+    """``POST /v1/completions``. ``prompt``: a string, a token id list, or a list of either (one choice set each).
 
+    ``max_tokens`` 0 is allowed with ``echo`` (the prompt's logprobs only, as lm-eval asks).
+    """
+
+    max_tokens: int | None = Field(default=None, ge=0)
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("one prompt per request is supported (send separate requests)")
-            value = value[0]
-        if isinstance(value, list) and not value:
+    def _prompts(cls, value: Any) -> list[str] | list[list[int]]:
+        prompts = value if isinstance(value, list) and value and isinstance(value[0], (str, list)) else [value]
+        if any(isinstance(p, list) and not p for p in prompts) or (isinstance(value, list) and not value):
             raise ValueError("the prompt is empty")
-        return value
+        if len(prompts) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts per request")
+        return prompts
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ParamError("suffix", "suffix is not supported")
+        best_of = self.best_of or self.n
+        if best_of < self.n:
+            raise ParamError("best_of", f"best_of ({best_of}) must be at least n ({self.n})")
+        if best_of > 1 and self.stream and best_of != self.n:
+            raise ParamError("best_of", "best_of > n cannot be streamed (OpenAI refuses it too)")
+        if best_of * len(self.prompt) > MAX_CHOICES:
+            raise ParamError("n", f"prompts x best_of (or n) must be at most {MAX_CHOICES}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens 0 is only allowed with echo")
         return self
 
 
@@ -111,11 +125,41 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -129,8 +173,30 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in value)
 
     def template_dict(self) -> dict:
-        """The message as the tokenizer's chat template expects it (``developer`` is a system message)."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        """The message as chat templates expect it: ``developer`` is a system message, a legacy
+        ``function`` result a ``tool`` message, tool call arguments a dict."""
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        out: dict[str, Any] = {"role": role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            out["name"] = self.name
+        return out
+
+
+def _arguments(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -139,21 +205,53 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Legacy function calling: mapped onto tools / tool_choice.
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.functions:
+            if self.tools:
+                raise ParamError("functions", "send tools or the legacy functions, not both")
+            self.tools = [Tool(function=f) for f in self.functions]
+            call = self.function_call
+            self.tool_choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+        self.tool_choice = self._checked_tool_choice()
         return self
+
+    def _checked_tool_choice(self) -> str | dict[str, Any]:
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if choice in ("auto", "required") and not self.tools:
+            raise ParamError("tool_choice", f"tool_choice {choice!r} needs tools")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            names = [t.function.name for t in self.tools or []]
+            if choice.get("type", "function") != "function" or not isinstance(name, str):
+                raise ParamError("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
+                                 "{'type': 'function', 'function': {'name': ...}}")
+            if name not in names:
+                raise ParamError("tool_choice", f"tool_choice names function {name!r}, which is not in tools {names}")
+        return choice
+
+    @property
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether a tool call is forced, the forced function's name or None for any tool)."""
+        if self.tool_choice == "required":
+            return True, None
+        if isinstance(self.tool_choice, dict):
+            return True, self.tool_choice["function"]["name"]
+        return False, None
 
 
 class WarmRequest(BaseModel):
@@ -206,7 +304,7 @@ def now() -> int:
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -222,14 +320,22 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_calls(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)  # OpenAI sends the key only when there are calls
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletion(BaseModel):
@@ -245,13 +351,14 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -262,6 +369,29 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: ``prompt`` text, or chat ``messages`` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "send exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class ModelCard(BaseModel):

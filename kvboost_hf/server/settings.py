@@ -28,6 +28,9 @@ class ServerSettings:
     ``kv_bits_fallback`` (e.g. ``(8, 4)``) lets a request that fits no full-precision rung run
     with its live K/V quantized to those bits instead (approximate, without reuse; reported in
     the ``X-Kvboost-KV-Bits`` header); empty (the default) keeps every reply exact.
+    ``scheduler`` is ``"workers"`` (the above) or ``"batch"``: continuous batching, at most
+    ``max_batch_size`` requests decoded together, at most ``max_batched_tokens`` tokens forwarded
+    per step (one per decoding request, the rest prompt chunks); ``workers`` is then unused.
     """
 
     model_name: str = "kvboost-hf"
@@ -44,6 +47,9 @@ class ServerSettings:
     memory_limit: int | None = None
     auto_truncate: bool = False
     kv_bits_fallback: tuple[int, ...] = ()
+    scheduler: str = "workers"
+    max_batch_size: int = 32
+    max_batched_tokens: int = 160
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in RECOMPUTE_STRATEGIES:
@@ -64,5 +70,11 @@ class ServerSettings:
             raise ValueError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
         if any(b not in (8, 4) for b in self.kv_bits_fallback):
             raise ValueError(f"kv_bits_fallback may hold 8 and 4, got {list(self.kv_bits_fallback)}")
+        if self.scheduler not in ("batch", "workers"):
+            raise ValueError(f"scheduler must be 'batch' or 'workers', got {self.scheduler!r}")
+        if self.scheduler == "batch":
+            from ..batching import BatchLimits  # noqa: PLC0415 - validates the two limits
+
+            BatchLimits(self.max_batch_size, self.max_batched_tokens)
         if self.api_key == "":
             self.api_key = None

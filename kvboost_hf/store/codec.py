@@ -47,6 +47,9 @@ class StoredChunk:
     hits: int = 0
     last_used: int = 0
     nbytes: int = 0
+    # float32 [num_tokens]: each token's logprob given every token before it (NaN for a chain's first
+    # token); None until a forward that computed them attached them (``store.logprobs``).
+    logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         pieces = (*self.keys, *self.values, *self.sink_keys, *self.sink_values)
@@ -163,6 +166,8 @@ def to_tensors(entry: StoredChunk) -> tuple[dict[str, torch.Tensor], dict[str, s
         _put(tensors, quantized, f"v{i}", entry.values[i])
         if entry.sink_keys:
             tensors[f"sk{i}"], tensors[f"sv{i}"] = entry.sink_keys[i], entry.sink_values[i]
+    if entry.logprobs is not None:  # covered by the blob's checksum like every tensor
+        tensors["logprobs"] = entry.logprobs
     metadata = {
         "parent": entry.parent.hex(),
         "namespace": entry.namespace.hex(),
@@ -196,4 +201,13 @@ def from_tensors(key: Key, tensors: dict[str, torch.Tensor], metadata: dict[str,
         sink_keys=[tensors[f"sk{i}"] for i in range(layers)] if has_sink else [],
         sink_values=[tensors[f"sv{i}"] for i in range(layers)] if has_sink else [],
         pinned=metadata.get("pinned") == "1",
+        logprobs=_logprobs_of(tensors, len(json.loads(metadata["tokens"]))),
     )
+
+
+def _logprobs_of(tensors: dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor | None:
+    """The blob's per-token logprobs; None in blobs written before they existed or of the wrong shape."""
+    value = tensors.get("logprobs")
+    if value is None or value.dtype != torch.float32 or tuple(value.shape) != (num_tokens,):
+        return None
+    return value

@@ -7,7 +7,7 @@ prompt's tokens at some position. Tiers and budgets are the :class:`ChunkStore`'
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 
 from .keys import Key, chunk_key
@@ -97,6 +97,18 @@ class ChunkIndex:
 
     def has_children(self, key: Key) -> bool:
         return bool(self._children.get(key))
+
+    def chains(self, namespace: Key, skip: Container[Key] = ()) -> Iterator[tuple[Key, tuple[int, ...]]]:
+        """``(last key, token ids)`` of every chain of ``namespace`` that no known chunk continues (but
+        those ending in a key in ``skip``)."""
+        for key, entry in self._entries.items():
+            if entry.namespace != namespace or key in skip or self.has_children(key):
+                continue
+            parts, node = [], entry
+            while node is not None:
+                parts.append(node.token_ids)
+                node = self._entries.get(node.parent)
+            yield key, tuple(t for part in reversed(parts) for t in part)
 
     def siblings(self, parent: Key, first_token: int) -> list[Key]:
         """Chunks after ``parent`` that start with ``first_token``."""

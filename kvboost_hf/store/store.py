@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 
@@ -143,6 +143,12 @@ class ChunkStore:
         """The chunks held in RAM (a snapshot)."""
         with self._lock:
             return list(self._ram.values())
+
+    def token_chains(self, namespace: Key, skip: Container[Key] = ()) -> list[tuple[Key, tuple[int, ...]]]:
+        """Token ids of every stored chain of ``namespace`` (RAM and disk tiers) that no chunk continues,
+        as ``(key of its last chunk, token ids)``; chains whose last key is in ``skip`` are left out."""
+        with self._lock:
+            return list(self._index.chains(namespace, skip))
 
     def stats(self) -> dict:
         """Counters and sizes. ``hits``/``misses`` count lookups that reused at least one token /
@@ -365,6 +371,13 @@ class ChunkStore:
             tensors, metadata = to_tensors(entry)
             self._remote.write_async(entry.key, entry.parent, entry.token_ids, entry.bits, tensors, metadata)
 
+    def persist(self, entries: Sequence[StoredChunk]) -> None:
+        """Write RAM ``entries`` to the disk tier again, after a field was attached (per-token ``logprobs``)."""
+        with self._lock:
+            for entry in entries:
+                if self._ram.get(entry.key) is entry:
+                    self._write_disk(entry)
+
     def _write_disk(self, entry: StoredChunk) -> None:
         if self._disk is None or self._read_only:
             return
@@ -444,7 +457,9 @@ class ChunkStore:
         """Drop every RAM entry (the disk tier and counters are kept)."""
         with self._lock:
             for key in list(self._ram):
-                entry = self._ram.pop(key)
+                entry = self._ram.pop(key, None)
+                if entry is None:
+                    continue  # already forgotten with an ancestor (a chain of more than one chunk)
                 self._bytes -= entry.nbytes
                 if self._disk is None:
                     self._forget(key)

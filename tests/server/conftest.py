@@ -107,6 +107,14 @@ def tiny_server() -> Iterator[RunningServer]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def gemma_server(gemma) -> Iterator[RunningServer]:
+    """A server on the real embedded Gemma-3-270M, served as ``gemma``, shared by a test module."""
+    model, tokenizer = gemma
+    with serve(model, tokenizer, ChunkStore(max_bytes=400_000_000, chunk_size=32), model_name="gemma") as running:
+        yield running
+
+
 def save_tiny_model(directory, seed: int) -> None:
     """A tiny Llama and the word tokenizer (with chat template) saved as a checkpoint ``--model`` can load."""
     make_tiny("llama", seed=seed).save_pretrained(directory)

@@ -16,6 +16,7 @@ from kvboost_hf.server.command import (
     available_cores,
     build_store,
     warm_texts,
+    scheduler_of,
     worker_settings,
 )
 from tests.conftest import make_tiny
@@ -55,9 +56,14 @@ def test_flag_choices():
     args = parse()
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
     cores = available_cores()
-    assert worker_settings(args, "cpu") == {"workers": cores, "torch_threads": 1}
-    assert worker_settings(parse("--workers", "1"), "cpu") == {"workers": 1, "torch_threads": cores}
-    assert worker_settings(args, "cuda") == {"workers": 1, "torch_threads": None}
+    assert scheduler_of(args) == "batch"  # continuous batching: one scheduler thread with every core
+    assert scheduler_of(parse("--draft", "int4")) == "workers"  # speculation runs per request
+    assert worker_settings(args, "cpu") == {"workers": 1, "torch_threads": cores}
+    workers = parse("--scheduler", "workers")
+    assert worker_settings(workers, "cpu") == {"workers": cores, "torch_threads": 1}
+    one_worker = parse("--scheduler", "workers", "--workers", "1")
+    assert worker_settings(one_worker, "cpu") == {"workers": 1, "torch_threads": cores}
+    assert worker_settings(workers, "cuda") == {"workers": 1, "torch_threads": None}
 
 
 def test_warm_file_in_blocks_then_requests_reuse_it(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from kvboost_hf import disable_chunk_reuse
 from tests.conftest import make_tiny
@@ -49,8 +50,13 @@ async def run_concurrently(server) -> list:
     return [results[i] for i in range(REQUESTS)]
 
 
-def test_32_concurrent_clients_get_the_outputs_of_sequential_requests():
-    with serve(make_tiny("mistral", seed=13), tiny_tokenizer(), workers=2, max_queue=REQUESTS) as server:
+SCHEDULERS = {"workers": dict(scheduler="workers", workers=2),
+              "batch": dict(scheduler="batch", max_batch_size=8, max_batched_tokens=64)}
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_32_concurrent_clients_get_the_outputs_of_sequential_requests(scheduler):
+    with serve(make_tiny("mistral", seed=13), tiny_tokenizer(), max_queue=REQUESTS, **SCHEDULERS[scheduler]) as server:
         concurrent = asyncio.run(run_concurrently(server))
         assert server.queue.completed == REQUESTS
         client = server.client()
@@ -69,10 +75,11 @@ def test_32_concurrent_clients_get_the_outputs_of_sequential_requests():
         assert stats["queue"]["depth"] == 0
 
 
-def test_real_gemma_behind_the_server(gemma):
+@pytest.mark.parametrize("scheduler", ["workers", "batch"])
+def test_real_gemma_behind_the_server(gemma, scheduler):
     model, tokenizer = gemma
     try:
-        with serve(model, tokenizer, model_name="gemma-3-270m", workers=1) as server:
+        with serve(model, tokenizer, model_name="gemma-3-270m", workers=1, scheduler=scheduler) as server:
             client = server.client()
             system = ("You are the support assistant of a shelving company. Modules are 80 cm wide and 30 cm deep; "
                       "each shelf holds 25 kg; delivery takes five to eight working days.")

@@ -233,3 +233,25 @@ def test_read_only_store_serves_but_stores_nothing():
     store.read_only = True
     assert put(store, list(range(50, 58))) == 0 and len(store) == 2
     assert sum(h.num_tokens for h in store.lookup(NS, list(range(10, 18)))) == 8
+
+
+def test_clear_drops_chains_of_several_chunks():
+    """clear() forgets a chain's first chunk, which forgets its successors too: no KeyError, no bytes left."""
+    store = ChunkStore(max_bytes=10**6, chunk_size=4)
+    put(store, list(range(10, 23)))
+    put(store, list(range(40, 49)))
+    assert len(store) == 7
+    store.clear()
+    assert len(store) == 0 and store.nbytes == 0
+    assert store.lookup(NS, list(range(10, 23))) == []
+    assert store.token_chains(NS) == []
+
+
+def test_token_chains_are_the_stored_sequences():
+    store = ChunkStore(max_bytes=10**6, chunk_size=4)
+    put(store, list(range(10, 23)))
+    put(store, list(range(10, 18)) + [90, 91])  # branches after two chunks
+    chains = sorted(store.token_chains(NS), key=lambda c: c[1])
+    assert [list(ids) for _, ids in chains] == [list(range(10, 23)), list(range(10, 18)) + [90, 91]]
+    assert store.token_chains(NS, skip={chains[0][0]}) == [chains[1]]
+    assert store.token_chains(namespace_key({"model": "other"})) == []

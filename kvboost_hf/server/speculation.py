@@ -1,0 +1,83 @@
+"""``--draft``: speculative decoding for every request, and its counters on ``/v1/stats`` and ``/metrics``.
+
+``build_draft`` turns the flag into what ``model.generate(draft=...)`` accepts;
+``attach_speculation`` makes it the served model's default draft (greedy and sampling requests
+alike), registers a Prometheus collector of the model's running speculation totals, and adds
+them under ``"speculation"`` to ``/v1/stats``. It leaves :mod:`~kvboost_hf.server.app` as is: the
+service's ``stats`` is wrapped on the app instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from torch import nn
+
+from ..speculative import ControllerSettings, make_draft, set_default_draft, speculation_totals
+
+DRAFT_CHOICES = ("int4", "int8", "prompt-lookup", "store")
+
+_COUNTERS = (
+    ("requests", "kvboost_spec_requests", "Requests decoded with speculation"),
+    ("switched_off", "kvboost_spec_switched_off", "Requests where the controller switched speculation off"),
+    ("rounds", "kvboost_spec_rounds", "Target forwards of speculative requests (plain rounds included)"),
+    ("speculative_rounds", "kvboost_spec_speculative_rounds", "Target forwards that verified draft tokens"),
+    ("drafted_tokens", "kvboost_spec_drafted_tokens", "Draft tokens verified by the target"),
+    ("accepted_tokens", "kvboost_spec_accepted_tokens", "Draft tokens the target accepted"),
+)
+
+
+def build_draft(spec: str, model: nn.Module, tokenizer, vocab: int | None = None, layers: int | None = None):
+    """What ``--draft SPEC`` names: ``int4`` / ``int8`` (a self-draft), ``prompt-lookup``, ``store``, or the
+    path (or HF id) of an assistant model sharing the tokenizer. Raises ValueError naming the flag."""
+    if spec in ("int4", "int8"):
+        return make_draft(model, bits=int(spec[3]), vocab=vocab, layers=layers, tokenizer=tokenizer)
+    if vocab is not None or layers is not None:
+        raise ValueError("--draft-vocab / --draft-layers shape a self-draft: use them with --draft int4 or int8")
+    if spec in ("prompt-lookup", "store"):
+        return spec
+    from ..models import load_model  # noqa: PLC0415 - only for an assistant checkpoint
+
+    try:
+        assistant, _ = load_model(spec)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--draft {spec!r}: not one of {', '.join(DRAFT_CHOICES)} and not a loadable model ({err})")
+    return assistant
+
+
+def attach_speculation(app, model: nn.Module, draft, settings: ControllerSettings | None = None) -> None:
+    """Serve every request of ``app`` with ``draft``; report its counters. Needs reuse enabled."""
+    set_default_draft(model, draft, settings)
+    app.state.metrics.registry.register(SpeculationCollector(model))
+    service = app.state.service
+    stats = service.stats
+    name = draft if isinstance(draft, str) else getattr(draft, "draft_name", type(draft).__name__)
+
+    def stats_with_speculation() -> dict:
+        return {**stats(), "speculation": {"draft": name, **speculation_totals(model).to_dict()}}
+
+    service.stats = stats_with_speculation
+
+
+class SpeculationCollector(Collector):
+    """Reads the model's running speculation totals at every scrape."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def collect(self) -> Iterator:
+        totals = speculation_totals(self.model).to_dict()
+        for key, name, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=totals[key])
+        yield CounterMetricFamily("kvboost_spec_draft_seconds", "Time spent drafting", value=totals["draft_ms"] / 1000)
+        yield CounterMetricFamily("kvboost_spec_verify_seconds", "Target forward time of speculative rounds",
+                                  value=totals["verify_ms"] / 1000)
+        yield GaugeMetricFamily("kvboost_spec_acceptance_rate", "Accepted / drafted tokens",
+                                value=totals["acceptance_rate"])
+        histogram = CounterMetricFamily("kvboost_spec_accepted_per_round", "Speculative rounds by accepted tokens",
+                                        labels=["accepted"])
+        for accepted, rounds in enumerate(totals["accepted_histogram"]):
+            histogram.add_metric([str(accepted)], rounds)
+        yield histogram

@@ -1,0 +1,15 @@
+"""Speculative decoding that composes with chunk reuse: drafts, an adaptive draft length, telemetry.
+
+Drafts (``model.generate(ids, draft=...)`` on a model with chunk reuse enabled):
+``"prompt-lookup"``, ``"store"`` (n-grams of every stored sequence), an HF assistant model, or
+a self-draft built by :func:`make_draft` from the target's own weights.
+"""
+
+from .controller import ControllerSettings, DraftController
+from .ngram import LookupSettings
+from .self_draft import make_draft
+from .stats import SpeculationStats
+from .totals import SpeculationTotals, set_default_draft, speculation_totals
+
+__all__ = ["ControllerSettings", "DraftController", "LookupSettings", "SpeculationStats", "SpeculationTotals",
+           "make_draft", "set_default_draft", "speculation_totals"]

@@ -1,0 +1,169 @@
+"""How many draft tokens to verify per round, decided from acceptance and costs measured at run time.
+
+The rule (documented in docs/speculative.md):
+
+- Round 0 (the prompt prefill) verifies no draft: the first token arrives exactly when it would
+  without speculation. Round 1 measures the cost of a plain decode step, unless an earlier
+  request with the same draft already did: costs (and, weakly, acceptance) carry over between
+  requests through :class:`CostMemory`.
+- Acceptance follows the usual geometric model: each draft token is accepted with probability
+  ``alpha`` given the previous one was. ``alpha`` is estimated from recent rounds (accepted
+  tokens over accepted tokens plus rejections, decayed per round, starting from a weak prior).
+- Costs are linear fits of measured wall time: a round verifying ``k`` tokens costs
+  ``plain + verify_slope * k`` in the target plus ``draft_per_token * k`` in the draft.
+- The draft length is the ``k`` in ``1..max_tokens`` that maximises expected tokens per second,
+  ``(1 - alpha^(k+1)) / (1 - alpha) / cost(k)``. If that rate is under ``min_gain`` times the
+  plain rate ``1 / plain``, speculation is switched off for ``backoff_rounds`` rounds, then one
+  probe round re-measures; every failed probe doubles the back-off, so a draft that never pays
+  costs a bounded share of rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_WEIGHT = 2.0  # acceptance carried over from earlier requests counts as this many rounds
+
+
+@dataclass
+class ControllerSettings:
+    """Settings of :class:`DraftController`. ``adaptive=False`` drafts ``max_tokens`` in every round, the
+    first included (HF's behaviour with a fixed ``num_assistant_tokens``)."""
+
+    max_tokens: int = 8
+    start_tokens: int = 4
+    probe_tokens: int = 2
+    min_gain: float = 1.05
+    backoff_rounds: int = 16
+    decay: float = 0.85
+    prior_accepted: float = 1.0
+    prior_rejected: float = 1.0
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.start_tokens <= self.max_tokens:
+            raise ValueError(f"start_tokens must be in 1..max_tokens ({self.max_tokens}), got {self.start_tokens}")
+        if not 1 <= self.probe_tokens <= self.max_tokens:
+            raise ValueError(f"probe_tokens must be in 1..max_tokens ({self.max_tokens}), got {self.probe_tokens}")
+        if self.min_gain <= 0 or self.backoff_rounds < 1 or not 0 < self.decay <= 1:
+            raise ValueError("min_gain must be > 0, backoff_rounds >= 1 and decay in (0, 1]")
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens from a round verifying ``k`` draft tokens (accepted ones plus the target's own)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostMemory:
+    """What one request learnt about a draft, for the next request with the same draft."""
+
+    plain_ms: float | None = None
+    verify_slope_ms: float | None = None
+    draft_ms_per_token: float | None = None
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+
+class _Ema:
+    """Exponential moving average that is None until its first sample."""
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.weight, self.value = weight, None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+
+
+class DraftController:
+    """Chooses each round's draft length and learns from the round's outcome."""
+
+    def __init__(self, settings: ControllerSettings | None = None, memory: CostMemory | None = None) -> None:
+        self.settings = settings or ControllerSettings()
+        self.round = 0
+        self.accepted = self.settings.prior_accepted
+        self.rejected = self.settings.prior_rejected
+        self.plain_ms = _Ema()
+        self.verify_slope_ms = _Ema()
+        self.draft_ms_per_token = _Ema()
+        self.drafted_rounds = 0
+        if memory is not None:
+            self.plain_ms.value, self.verify_slope_ms.value = memory.plain_ms, memory.verify_slope_ms
+            self.draft_ms_per_token.value = memory.draft_ms_per_token
+            total = memory.accepted + memory.rejected
+            if total > 0:  # the earlier requests' acceptance, as a prior worth PRIOR_WEIGHT rounds
+                self.accepted = PRIOR_WEIGHT * memory.accepted / total
+                self.rejected = PRIOR_WEIGHT * memory.rejected / total
+        self.off_until = -1
+        self.backoff = self.settings.backoff_rounds
+        self.off_reason = ""
+
+    def memory(self) -> CostMemory:
+        """The current estimates, to start the next request with the same draft from."""
+        return CostMemory(self.plain_ms.value, self.verify_slope_ms.value, self.draft_ms_per_token.value,
+                          self.accepted, self.rejected)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def choose(self) -> int:
+        """Draft tokens to propose this round (0: a plain decode step)."""
+        s = self.settings
+        if not s.adaptive:
+            return s.max_tokens
+        if self.round == 0:
+            return 0
+        if self.plain_ms.value is None:
+            return 0
+        if self.verify_slope_ms.value is None:
+            return s.start_tokens
+        if self.round < self.off_until:
+            return 0
+        if self.off_until >= 0 and self.round == self.off_until:
+            return s.probe_tokens  # one probe round after a back-off
+        return self._decide()
+
+    def _decide(self) -> int:
+        s = self.settings
+        plain = self.plain_ms.value
+        slope = max(0.0, self.verify_slope_ms.value)
+        draft = max(0.0, self.draft_ms_per_token.value or 0.0)
+        best_k, best_rate = 0, 0.0
+        for k in range(1, s.max_tokens + 1):
+            rate = expected_tokens(self.alpha, k) / (plain + (slope + draft) * k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_rate * plain >= s.min_gain:
+            if self.off_until >= 0:
+                self.backoff = s.backoff_rounds
+            self.off_until = -1
+            return best_k
+        self.off_reason = (f"predicted {best_rate * plain:.2f}x plain at best (alpha {self.alpha:.2f}, plain "
+                           f"{plain:.1f} ms, verify +{slope:.1f} ms/token, draft {draft:.1f} ms/token)")
+        if self.off_until >= 0:
+            self.backoff *= 2
+        self.off_until = self.round + self.backoff
+        return 0
+
+    def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """Learn from the round just verified: ``drafted`` candidates, ``accepted`` of them kept."""
+        first = self.round == 0
+        self.round += 1
+        if first:
+            return
+        if drafted == 0:
+            self.plain_ms.add(verify_ms)
+            return
+        decay = self.settings.decay
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1.0 if accepted < drafted else 0.0)
+        if self.plain_ms.value is not None:
+            self.verify_slope_ms.add((verify_ms - self.plain_ms.value) / drafted)
+        self.drafted_rounds += 1
+        if self.drafted_rounds > 1:  # a model draft's first round also prefills the draft: not a sample
+            self.draft_ms_per_token.add(draft_ms / drafted)

@@ -1,0 +1,79 @@
+"""``MeasuredCandidateGenerator``: the candidate generator generate() runs, timing every round.
+
+It asks the :class:`DraftController` for a draft length, asks its proposer for that many
+tokens, and measures the draft time (inside ``get_candidates``) and the verify time (from the
+end of ``get_candidates`` to generate's ``update_candidate_strategy`` call: the target forward
+and the acceptance test).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .controller import DraftController
+from .stats import SpeculationStats
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, input_ids: torch.LongTensor, k: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """``input_ids`` followed by at most ``k`` draft tokens, and the draft's logits (or None)."""
+
+    def update(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None: ...
+
+    def finish(self, sequence: torch.LongTensor): ...
+
+
+class FixedProposer:
+    """An HF candidate generator used as is (it picks its own draft length): telemetry only."""
+
+    def __init__(self, inner: CandidateGenerator, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    def propose(self, input_ids: torch.LongTensor, k: int):
+        return self.inner.get_candidates(input_ids)
+
+    def update(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        self.inner.update_candidate_strategy(input_ids, scores, num_matches)
+
+    def finish(self, sequence: torch.LongTensor) -> None:
+        return None
+
+
+class MeasuredCandidateGenerator(CandidateGenerator):
+    """Drafts through ``proposer`` with lengths chosen by ``controller``; records ``stats``."""
+
+    def __init__(self, proposer: Proposer, controller: DraftController | None, stats: SpeculationStats,
+                 max_length: int) -> None:
+        self.proposer, self.controller, self.stats, self.max_length = proposer, controller, stats, max_length
+        self._drafted, self._draft_ms, self._drafted_at = 0, 0.0, 0.0
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        start = time.perf_counter()
+        room = max(0, self.max_length - input_ids.shape[1] - 1)  # the target adds one token itself
+        if self.controller is None:
+            k = room
+        else:
+            k = min(self.controller.choose(), room)
+            self.stats.record_choice(k)
+        candidates, logits = self.proposer.propose(input_ids, k) if k > 0 else (input_ids, None)
+        self._drafted = candidates.shape[1] - input_ids.shape[1]
+        self._drafted_at = time.perf_counter()
+        self._draft_ms = (self._drafted_at - start) * 1000.0
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        verify_ms = (time.perf_counter() - self._drafted_at) * 1000.0
+        accepted = int(num_matches)
+        first = self.stats.rounds == 0
+        self.stats.record_round(self._drafted, accepted, self._draft_ms, verify_ms, first)
+        if self.controller is not None:
+            self.controller.observe(self._drafted, accepted, self._draft_ms, verify_ms)
+            self.stats.off_reason = self.controller.off_reason
+        if self._drafted:
+            self.proposer.update(input_ids, scores, num_matches)

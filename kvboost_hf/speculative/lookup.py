@@ -1,0 +1,125 @@
+"""Lookup drafts: continuations of n-grams seen in this request (prompt lookup) or anywhere in the store.
+
+A store-wide index is built from the token ids of the chains a :class:`~kvboost_hf.ChunkStore`
+holds under the target's namespace (every stored prompt and reply, in any tier), one index per
+``(store, namespace)``, refreshed with the chains added since at the start of each request.
+Drafts are deterministic, so HF's verification (greedy match, or sampling from the target and
+keeping candidates while they agree) returns exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..store import ChunkStore
+from ..store.keys import Key
+from .ngram import LookupSettings, NgramIndex, Proposal
+
+STORE_LOOKUP = LookupSettings(max_ngram=6, min_ngram=2)  # one shared token says little across requests
+MAX_INDEXED_TOKENS = 1_000_000  # past this, the index is rebuilt from the chains the store holds now
+
+_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> {namespace: StoreNgrams}
+_indexes_lock = threading.Lock()
+
+
+class StoreNgrams:
+    """The n-gram index of one namespace's stored chains, refreshed incrementally."""
+
+    def __init__(self, settings: LookupSettings = STORE_LOOKUP, max_tokens: int = MAX_INDEXED_TOKENS) -> None:
+        self.settings, self.max_tokens = settings, max_tokens
+        self.index = NgramIndex(settings)
+        self.known: set[Key] = set()
+        self.tokens = 0
+        self.rebuilt_tokens = 0  # tokens indexed right after the last rebuild (what the store held)
+        self.lock = threading.Lock()
+
+    def refresh(self, store: ChunkStore, namespace: Key) -> None:
+        """Index the chains stored since the last refresh. Evicted chains stay indexed (they are only
+        ever verified) until the index holds more than ``max_tokens`` and twice what the store held at
+        the last rebuild; then it is rebuilt from the chains the store holds now."""
+        with self.lock:
+            rebuild = self.tokens > max(self.max_tokens, 2 * self.rebuilt_tokens)
+            if rebuild:
+                self.index, self.known, self.tokens = NgramIndex(self.settings), set(), 0
+            for key, ids in store.token_chains(namespace, skip=self.known):
+                self.index.add_sequence(ids)
+                self.known.add(key)
+                self.tokens += len(ids)
+            if rebuild:
+                self.rebuilt_tokens = self.tokens
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal | None:
+        with self.lock:
+            return self.index.propose(context, max_tokens)
+
+
+def store_ngrams(store: ChunkStore, namespace: Key) -> StoreNgrams:
+    """The (shared, refreshed) store-wide index of ``namespace`` in ``store``."""
+    with _indexes_lock:
+        per_store = _indexes.setdefault(store, {})
+        index = per_store.get(namespace)
+        if index is None:
+            index = per_store[namespace] = StoreNgrams()
+    index.refresh(store, namespace)
+    return index
+
+
+class LazyStoreNgrams:
+    """The store-wide index, found and refreshed at the first proposal (after the first token, not before)."""
+
+    def __init__(self, find: Callable[[], StoreNgrams | None]) -> None:
+        self._find, self._index, self._found = find, None, False
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal | None:
+        if not self._found:
+            self._index, self._found = self._find(), True
+        return None if self._index is None else self._index.propose(context, max_tokens)
+
+
+class LookupProposer:
+    """Proposes the continuation of the longest n-gram match in the request so far, or in the store.
+
+    The longer match wins; on a tie, the request's own text. Drafts stop after an EOS token.
+    """
+
+    def __init__(self, settings: LookupSettings, store_index: StoreNgrams | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        self.name = "store" if store_index is not None else "prompt-lookup"
+        self.context = NgramIndex(settings)
+        self.store_index = store_index
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.source_counts = {"request": 0, "store": 0}
+
+    def propose(self, input_ids: torch.LongTensor, k: int) -> tuple[torch.LongTensor, None]:
+        ids = input_ids[0].tolist()
+        known = sum(len(s) for s in self.context.sequences)
+        self.context.extend(ids[known:])
+        best = self.context.propose(ids, k)
+        source = "request"
+        if self.store_index is not None:
+            other = self.store_index.propose(ids, k)
+            if other is not None and other.tokens and (best is None or other.ngram > best.ngram or not best.tokens):
+                best, source = other, "store"
+        if best is None or not best.tokens:
+            return input_ids, None
+        tokens = _cut_after_eos(best.tokens, self.eos)
+        self.source_counts[source] += 1
+        draft = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([input_ids, draft], dim=1), None
+
+    def update(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        pass
+
+    def finish(self, sequence: torch.LongTensor) -> None:
+        pass
+
+
+def _cut_after_eos(tokens: tuple[int, ...], eos: frozenset[int]) -> tuple[int, ...]:
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,54 @@
+"""Model drafts: HF's own ``AssistedCandidateGenerator`` driven one draft length at a time, with reuse.
+
+The assistant's prompt prefill goes through the store like any request (the draft model has its
+own namespace, since its weights differ): the generator's assistant cache is replaced by a
+fresh :class:`~kvboost_hf.ChunkReuseCache` before the first round. At the end of the request
+only the tokens the target confirmed are stored for the draft; rejected candidates never are.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+from ..cache import ChunkReuseCache
+from ..generate import finish_request
+from ..store.index import common_prefix_length
+from ..state import reuse_state
+
+logger = logging.getLogger(__name__)
+
+
+class ModelProposer:
+    """Drafts ``k`` tokens with an assistant model through HF's generator (``k = 0``: no draft call)."""
+
+    def __init__(self, inner: AssistedCandidateGenerator, name: str = "model") -> None:
+        self.name = name
+        self.inner = inner
+        self.cache: ChunkReuseCache | None = None
+        state = reuse_state(inner.assistant_model)
+        if state is not None:
+            self.cache = ChunkReuseCache(inner.assistant_model.config, state.store)
+            self.cache.activate_past_recording()
+            inner.assistant_kwargs["past_key_values"] = self.cache
+
+    def propose(self, input_ids: torch.LongTensor, k: int):
+        self.inner.num_assistant_tokens = k
+        return self.inner.get_candidates(input_ids)
+
+    def update(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        self.inner.update_candidate_strategy(input_ids, scores, num_matches)
+
+    def finish(self, sequence: torch.LongTensor) -> ChunkReuseCache | None:
+        """Store the draft's K/V of the tokens the target confirmed (a prefix of ``sequence``)."""
+        cache = self.cache
+        state = reuse_state(self.inner.assistant_model)
+        if cache is None or state is None or cache.request is None:
+            return None
+        confirmed = common_prefix_length(cache.token_ids(), sequence[0].tolist())
+        limit = cache.request.commit_limit
+        cache.request.commit_limit = confirmed if limit is None else min(limit, confirmed)
+        finish_request(state, cache)
+        return cache

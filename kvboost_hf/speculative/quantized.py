@@ -1,0 +1,93 @@
+"""Weight-only int4 / int8 linears for self-drafts, on torch's own kernels.
+
+int4 reuses the AWQ streaming path (:mod:`kvboost_hf.streaming`): round-to-nearest group
+quantization, torch's packed layout and ``_weight_int4pack_mm`` (``_for_cpu`` on CPU). int8 is
+per-output-channel symmetric with ``torch._weight_int8pack_mm``. Both take bf16 activations
+(fp32 falls on slow paths) and return the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..streaming.awq_format import scales_and_zeros, to_int4pack
+from ..streaming.linear import AWQInt4Linear
+from ..streaming.quantize import rtn_quantize
+
+GROUP_SIZES = (128, 64, 32)
+INT4_ROW_MULTIPLE = 16  # torch's CPU int4 packing needs out_features divisible by 16
+
+
+class Int8Linear(nn.Module):
+    """int8 weight ``[out, in]`` with one bf16 scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().to(torch.float32)
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.register_buffer("int8_weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("int8_scales", scales.to(torch.bfloat16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = torch._weight_int8pack_mm(x2, self.int8_weight, self.int8_scales)
+        out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class PaddedInt4Linear(nn.Module):
+    """An :class:`AWQInt4Linear` over rows padded to a multiple of 16, sliced back to ``out_features``."""
+
+    def __init__(self, inner: AWQInt4Linear, out_features: int) -> None:
+        super().__init__()
+        self.inner, self.out_features = inner, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[..., : self.out_features]
+
+
+def group_size_for(in_features: int) -> int:
+    for group in GROUP_SIZES:
+        if in_features % group == 0:
+            return group
+    raise ValueError(f"int4 needs in_features divisible by one of {GROUP_SIZES}, got {in_features}")
+
+
+def int4_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """A resident int4 linear computing ``x @ weight.T (+ bias)`` (weight ``[out, in]``)."""
+    out_features, in_features = weight.shape
+    group = group_size_for(in_features)
+    pad = -out_features % INT4_ROW_MULTIPLE
+    w = weight.detach().to(torch.float32)
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, in_features)])
+    codes, zeros, scales = rtn_quantize(w, group, scale_dtype=torch.bfloat16)
+    module = AWQInt4Linear(in_features, w.shape[0], group, bias=False)
+    module.set_weight(to_int4pack(codes, weight.device), scales_and_zeros(scales, zeros).to(weight.device))
+    out: nn.Module = PaddedInt4Linear(module, out_features) if pad else module
+    if bias is not None:
+        return _WithBias(out, bias)
+    return out
+
+
+class _WithBias(nn.Module):
+    def __init__(self, inner: nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = inner
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.bias
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> nn.Module:
+    """A weight-only ``bits`` (4 or 8) linear of ``weight`` ``[out, in]``."""
+    if bits == 4:
+        return int4_linear(weight, bias)
+    if bits == 8:
+        return Int8Linear(weight, bias)
+    raise ValueError(f"bits must be 4 or 8, got {bits!r}")

@@ -1,0 +1,218 @@
+"""One generate call's speculation: read the ``draft`` argument, build the candidate generator, finish up.
+
+``model.generate(ids, draft=...)`` on a model with chunk reuse enabled accepts:
+
+- ``"prompt-lookup"``: continuations of n-grams of this request (prompt and reply so far);
+- ``"store"``: the same, plus continuations found in every sequence the store holds;
+- a model (an HF assistant sharing the tokenizer, or :func:`~kvboost_hf.make_draft`'s self-draft).
+
+``assistant_model=`` is treated like ``draft=<model>``; HF's ``prompt_lookup_num_tokens`` alone
+keeps HF's generator and only gains telemetry. ``speculation=ControllerSettings(...)`` tunes the
+adaptive draft length. The generator reaches generate through ``_get_candidate_generator``,
+which the reuse subclass of the model's class overrides (see :mod:`kvboost_hf.model_class`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.candidate_generator import AssistedCandidateGenerator, CandidateGenerator
+
+from ..state import namespace, reuse_state
+from ..store.keys import UnfingerprintableModel
+from .controller import ControllerSettings, DraftController
+from .generator import FixedProposer, MeasuredCandidateGenerator
+from .lookup import LazyStoreNgrams, LookupProposer, store_ngrams
+from .model_draft import ModelProposer
+from .ngram import LookupSettings
+from .stats import SpeculationStats
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_DRAFTS = ("prompt-lookup", "store")
+_store_followers: weakref.WeakSet = weakref.WeakSet()  # drafts whose reuse was enabled with the target's store
+_current: contextvars.ContextVar[SpeculationRequest | None] = contextvars.ContextVar("kvboost_speculation",
+                                                                                     default=None)
+
+
+@dataclass
+class SpeculationRequest:
+    kind: str  # "prompt-lookup", "store", "model" or "hf" (HF's own generator, telemetry only)
+    settings: ControllerSettings
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    proposer: object = None
+    controller: DraftController | None = None
+    memory_key: object = None  # which earlier requests' costs this one starts from
+
+
+def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = None) -> SpeculationRequest | None:
+    """Pop ``draft`` / ``speculation`` from generate's ``kwargs`` and set HF's arguments that select
+    assisted decoding; None when the call does not speculate. A call naming no draft, assistant or
+    prompt lookup uses the model's default draft (:func:`set_default_draft`), if any and if the call
+    can speculate (one sequence of ``inputs``, no beam search)."""
+    draft = kwargs.pop("draft", None)
+    settings = kwargs.pop("speculation", None)
+    assistant = kwargs.get("assistant_model")
+    if draft is None and assistant is None:
+        if kwargs.get("prompt_lookup_num_tokens") is not None:
+            return SpeculationRequest("hf", _settings(settings), SpeculationStats(draft="hf-prompt-lookup"))
+        state = reuse_state(model)
+        if state is None or state.default_draft is None or not _can_speculate(inputs, kwargs):
+            return None
+        draft, settings = state.default_draft, settings if settings is not None else state.default_speculation
+    settings = _settings(settings, lookup=isinstance(draft, str))
+    if draft is not None and assistant is not None:
+        raise ValueError("pass either draft= or assistant_model=, not both")
+    if isinstance(draft, str):
+        validate_draft(model, draft)
+        if kwargs.get("prompt_lookup_num_tokens") is not None:
+            raise ValueError(f"draft={draft!r} already drafts by lookup: drop prompt_lookup_num_tokens")
+        kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
+        return SpeculationRequest(draft, settings, SpeculationStats(draft=draft), memory_key=draft)
+    assistant = draft if draft is not None else assistant
+    if kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None:
+        validate_draft(model, assistant)
+    _enable_reuse_on(model, assistant)
+    kwargs["assistant_model"] = assistant
+    name = getattr(assistant, "draft_name", "model")
+    return SpeculationRequest("model", settings, SpeculationStats(draft=name), memory_key=("model", id(assistant)))
+
+
+def _can_speculate(inputs: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether HF's assisted decoding takes this call: batch 1 token ids, no beam search."""
+    if inputs is None or inputs.dim() != 2 or inputs.shape[0] != 1 or kwargs.get("inputs_embeds") is not None:
+        return False
+    config = kwargs.get("generation_config")
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1))
+    return beams in (None, 1)
+
+
+def validate_draft(model: torch.nn.Module, draft) -> None:
+    """Raise a ValueError / TypeError naming ``draft`` when it cannot draft for ``model``."""
+    if isinstance(draft, str):
+        if draft not in LOOKUP_DRAFTS:
+            raise ValueError(f"draft={draft!r}: expected one of {LOOKUP_DRAFTS} or a model")
+        return
+    if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "generate"):
+        raise TypeError(f"draft must be {LOOKUP_DRAFTS[0]!r}, {LOOKUP_DRAFTS[1]!r} or a generative model, "
+                        f"got {type(draft).__name__}")
+    check_vocabulary(model, draft)
+
+
+def check_vocabulary(model: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """Raise ValueError when ``draft`` does not score the same token ids as ``model``."""
+    ours = model.config.get_text_config(decoder=True).vocab_size
+    theirs = draft.config.get_text_config(decoder=True).vocab_size
+    if ours != theirs:
+        raise ValueError(
+            f"draft / assistant_model vocabulary ({theirs} tokens) differs from the model's ({ours} tokens): a draft "
+            "must share the tokenizer and vocabulary size (or pass tokenizer= and assistant_tokenizer= for HF's "
+            "universal assisted decoding)"
+        )
+
+
+LOOKUP_MAX_TOKENS = 16  # lookup drafts cost nothing to propose: let long copied spans through in one round
+
+
+def _settings(value, lookup: bool = False) -> ControllerSettings:
+    if value is None:
+        return ControllerSettings(max_tokens=LOOKUP_MAX_TOKENS) if lookup else ControllerSettings()
+    if isinstance(value, ControllerSettings):
+        return value
+    if isinstance(value, dict):
+        return ControllerSettings(**value)
+    raise TypeError(f"speculation must be a ControllerSettings or a dict, got {type(value).__name__}")
+
+
+def _enable_reuse_on(model: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """Give the draft the target's store, so its prompt prefill is reused too (its own namespace).
+
+    A draft whose reuse was enabled here follows the target's store when the target moves to
+    another one; a draft the caller enabled reuse on keeps its own store."""
+    state = reuse_state(model)
+    if state is None or draft is model:
+        return
+    draft_state = reuse_state(draft)
+    if draft_state is not None and (draft_state.store is state.store or draft not in _store_followers):
+        return
+    from ..reuse import enable_chunk_reuse  # noqa: PLC0415 - reuse imports the generate path
+
+    enable_chunk_reuse(draft, state.store)
+    _store_followers.add(draft)
+
+
+def activate(request: SpeculationRequest | None) -> contextvars.Token:
+    return _current.set(request)
+
+
+def deactivate(token: contextvars.Token) -> None:
+    _current.reset(token)
+
+
+def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, generation_config,
+                        input_ids: torch.LongTensor) -> CandidateGenerator:
+    """The generator generate() uses for the active request (``generator`` is HF's choice)."""
+    request = _current.get()
+    if request is None:
+        return generator
+    if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
+        proposer = ModelProposer(generator, request.stats.draft)
+    elif request.kind in LOOKUP_DRAFTS:
+        store_index = LazyStoreNgrams(lambda: _store_index(model)) if request.kind == "store" else None
+        proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))
+    else:
+        proposer = FixedProposer(generator, request.stats.draft or type(generator).__name__)
+    request.proposer = proposer
+    if not isinstance(proposer, FixedProposer):
+        state = reuse_state(model)
+        memory = state.speculation_costs.get(request.memory_key) if state is not None else None
+        request.controller = DraftController(request.settings, memory)
+    return MeasuredCandidateGenerator(proposer, request.controller, request.stats, generation_config.max_length)
+
+
+def finish(request: SpeculationRequest, output) -> None:
+    """After generate: store the draft's confirmed K/V and fill the draft's reuse counts."""
+    proposer = request.proposer
+    if proposer is None:
+        return
+    sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
+    if sequences is None:
+        return
+    draft_cache = proposer.finish(sequences)
+    if draft_cache is not None and draft_cache.stats is not None:
+        request.stats.draft_reused_tokens = draft_cache.stats.reused_tokens
+        request.stats.draft_prompt_tokens = draft_cache.stats.prompt_tokens
+
+
+def record(state, request: SpeculationRequest, cache=None) -> None:
+    """Publish the request's stats: in its cache's reuse stats (else the model's latest) and the running totals."""
+    stats = getattr(cache, "stats", None) or state.last_stats
+    if stats is not None:
+        stats.speculation = request.stats
+    if request.controller is not None and request.settings.adaptive:
+        state.speculation_costs[request.memory_key] = request.controller.memory()
+    if request.proposer is not None:
+        from .totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
+
+        totals_of(state).add(request.stats)
+
+
+def _store_index(model: torch.nn.Module):
+    state = reuse_state(model)
+    if state is None:
+        return None
+    try:
+        key = namespace(model)
+    except UnfingerprintableModel as err:
+        logger.warning("store-wide drafts fall back to prompt lookup: %s", err)
+        return None
+    return store_ngrams(state.store, key)
+
+
+def _eos_ids(generation_config) -> list[int]:
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    return [] if eos is None else [int(t) for t in eos.reshape(-1).tolist()]

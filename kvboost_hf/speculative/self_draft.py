@@ -1,0 +1,161 @@
+"""``make_draft``: a self-draft built from the target's own weights (no small sibling model needed).
+
+The draft is a structural clone of the target (same class, own module objects, shared
+embedding and norm tensors) whose decoder linears are weight-only int4 or int8, optionally
+keeping only the first ``layers`` decoder layers, with an LM head optionally restricted to the
+``vocab`` most frequent tokens (FR-Spec). A restricted head still returns full-vocabulary
+logits, ``-inf`` outside its set, so HF's speculative sampling stays exact.
+
+A streamed AWQ target (:mod:`kvboost_hf.streaming`) gives a resident int4 draft holding the
+checkpoint's own int4 weights (``bits=4`` only); its streamed layers are read from the
+streamer's host source once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ..model_class import ReuseGenerateMixin
+from ..state import STATE_ATTR
+from ..streaming.loader import RUNTIME_ATTR
+from ..streaming.linear import AWQInt4Linear
+from .head import DraftHead
+from .quantized import quantized_linear
+from .vocab import draft_vocabulary, token_ranking
+
+logger = logging.getLogger(__name__)
+
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+          "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_DROPPED = (STATE_ATTR, RUNTIME_ATTR)
+
+
+@torch.no_grad()
+def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers: int | None = None, *,
+               tokenizer=None, texts=None, head_bits: int = 8) -> nn.Module:
+    """A self-draft of ``model`` for ``model.generate(..., draft=...)`` / ``assistant_model=``.
+
+    ``bits`` (4 or 8): weight-only precision of the decoder linears. ``head_bits`` (8 or 4): that of
+    the LM head (int8 by default: on Gemma-3-270M an int4 round-to-nearest head picks the float
+    head's top token 81% of the time on essay text, int8 97%).
+    ``vocab``: keep the ``vocab`` most frequent tokens in the LM head (needs ``tokenizer``; counted
+    on ``texts`` or the offline essays, cached). ``layers``: keep the first ``layers`` decoder layers.
+    The target is not modified; embeddings and norms are shared, not copied.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"make_draft(bits=...) must be 4 or 8, got {bits!r}")
+    if head_bits not in (4, 8):
+        raise ValueError(f"make_draft(head_bits=...) must be 4 or 8, got {head_bits!r}")
+    config = model.config.get_text_config(decoder=True)
+    if layers is not None and not 1 <= layers <= config.num_hidden_layers:
+        raise ValueError(f"make_draft(layers=...) must be in 1..{config.num_hidden_layers}, got {layers!r}")
+    if vocab is not None and tokenizer is None:
+        raise ValueError("make_draft(vocab=N) needs tokenizer= (token frequencies are counted with it)")
+    if vocab is not None and not 1 <= vocab <= config.vocab_size:
+        raise ValueError(f"make_draft(vocab=...) must be in 1..{config.vocab_size}, got {vocab!r}")
+    streamed = getattr(model, RUNTIME_ATTR, None)
+    if streamed is not None and bits != 4:
+        raise ValueError("a streamed AWQ model's self-draft uses its own int4 weights: make_draft(bits=4)")
+    draft = clone_structure(model)
+    inner, decoder = _decoder_layers(draft)
+    if layers is not None:
+        del decoder[layers:]
+        draft.config.num_hidden_layers = layers
+        if getattr(draft.config, "layer_types", None) is not None:
+            draft.config.layer_types = draft.config.layer_types[:layers]
+    source = getattr(streamed, "source", None)
+    for name, module in list(decoder.named_modules()):
+        if isinstance(module, nn.Linear):
+            _replace(decoder, name, quantized_linear(module.weight, module.bias, bits))
+        elif isinstance(module, AWQInt4Linear) and module.streamed:
+            _replace(decoder, name, _resident_copy(module, source, f"{_layers_name(model)}.{name}"))
+    tokens = None
+    if vocab is not None:
+        ranking = token_ranking(tokenizer, config.vocab_size, texts)
+        tokens = draft_vocabulary(ranking, vocab, _special_ids(model, tokenizer))
+    draft.lm_head = DraftHead.build(model.get_output_embeddings(), head_bits, config.vocab_size, tokens,
+                                    getattr(config, "final_logit_softcapping", None))
+    if getattr(draft.config, "final_logit_softcapping", None) is not None:
+        draft.config.final_logit_softcapping = None  # applied inside DraftHead, before the -inf fill
+    draft.config.tie_word_embeddings = False
+    draft.draft_name = f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
+    draft.eval()
+    return draft
+
+
+def clone_structure(model: nn.Module) -> nn.Module:
+    """New module objects sharing every parameter and buffer of ``model``, without hooks, reuse state or
+    streaming runtime; the config and generation config are copied (the clone may change them)."""
+    old_config = getattr(model, "config", None)
+    new_config = copy.deepcopy(old_config)
+    return _clone(model, {id(old_config): new_config} if old_config is not None else {})
+
+
+def _clone(module: nn.Module, configs: dict) -> nn.Module:
+    cls = type(module)
+    if issubclass(cls, ReuseGenerateMixin):
+        cls = cls._kvboost_base
+    new = cls.__new__(cls)
+    state = {k: v for k, v in module.__dict__.items() if k not in _DROPPED}
+    for key in _HOOKS:
+        if key in state:
+            state[key] = OrderedDict()
+    state["_parameters"] = dict(module._parameters)
+    state["_buffers"] = dict(module._buffers)
+    state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    state["_modules"] = {name: None if child is None else _clone(child, configs)
+                         for name, child in module._modules.items()}
+    for key, value in state.items():
+        if id(value) in configs:
+            state[key] = configs[id(value)]
+    if "generation_config" in state:
+        state["generation_config"] = copy.deepcopy(state["generation_config"])
+    new.__dict__.update(state)
+    return new
+
+
+def _decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"make_draft expects a decoder-only CausalLM with .model.layers, got {type(model).__name__}")
+    return base, layers
+
+
+def _replace(root: nn.Module, dotted: str, new: nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def _layers_name(model: nn.Module) -> str:
+    """The target's module name of its decoder ModuleList (e.g. ``model.layers``)."""
+    layers = _decoder_layers(model)[1]
+    return next(full for full, module in model.named_modules() if module is layers)
+
+
+def _resident_copy(module: AWQInt4Linear, source, name: str) -> AWQInt4Linear:
+    """A resident AWQInt4Linear with ``module``'s packed weight read from the streamer's host source."""
+    if source is None or name not in source:
+        raise ValueError(f"streamed weight of {name} not found in the model's host source")
+    copy_ = AWQInt4Linear(module.in_features, module.out_features, module.group_size, bias=module.bias is not None)
+    copy_.set_weight(source.tensor(name).clone(), module.int4_scales_zeros)
+    if module.bias is not None:
+        copy_.bias = module.bias
+    return copy_
+
+
+def _special_ids(model: nn.Module, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for source in (model.generation_config, model.config):
+        for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(source, attr, None)
+            ids.extend(value if isinstance(value, list) else [value] if value is not None else [])
+    ids.extend(getattr(tokenizer, "all_special_ids", []) or [])
+    return ids

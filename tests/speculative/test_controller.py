@@ -1,0 +1,95 @@
+"""The adaptive draft length, driven by synthetic costs and acceptances (no timing involved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvboost_hf.speculative.controller import ControllerSettings, DraftController, expected_tokens
+
+
+def _run(controller: DraftController, rounds: int, accept, plain_ms=100.0, slope_ms=10.0, draft_ms=2.0):
+    """Feed ``rounds`` rounds; ``accept(k)`` says how many of k drafted tokens the target keeps."""
+    choices = []
+    for _ in range(rounds):
+        k = controller.choose()
+        choices.append(k)
+        a = accept(k) if k else 0
+        controller.observe(k, a, draft_ms * k, plain_ms + slope_ms * k)
+    return choices
+
+
+def test_first_two_rounds_are_plain_then_it_speculates():
+    choices = _run(DraftController(), 6, accept=lambda k: k)
+    assert choices[:2] == [0, 0]  # prefill round (TTFT unchanged) and a plain-step measurement
+    assert choices[2] == ControllerSettings().start_tokens
+    assert all(k > 0 for k in choices[3:])
+
+
+def test_perfect_cheap_drafts_grow_to_the_maximum():
+    controller = DraftController(ControllerSettings(max_tokens=8))
+    choices = _run(controller, 30, accept=lambda k: k, slope_ms=2.0, draft_ms=0.0)
+    assert choices[-1] == 8 and controller.alpha > 0.9 and controller.off_reason == ""
+
+
+def test_useless_drafts_switch_off_and_back_off_doubles():
+    settings = ControllerSettings(backoff_rounds=8)
+    controller = DraftController(settings)
+    choices = _run(controller, 200, accept=lambda k: 0)
+    speculative = [i for i, k in enumerate(choices) if k]
+    # a start round and a few rounds while the prior fades, then probes after 8, 16, 32, 64... plain rounds
+    assert len(speculative) <= 8, speculative
+    probes = [i for i in speculative if i > 10]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(gaps) >= 2 and all(b >= 2 * a - 1 for a, b in zip(gaps, gaps[1:])), probes
+    assert "predicted" in controller.off_reason
+
+
+def test_expensive_verification_keeps_it_off_even_with_fair_acceptance():
+    # 60% acceptance, but each verified token costs as much as a plain step: never pays
+    controller = DraftController()
+    choices = _run(controller, 60, accept=lambda k: int(0.6 * k), slope_ms=100.0, draft_ms=5.0)
+    assert sum(1 for k in choices if k) <= 4
+
+
+def test_it_comes_back_when_drafts_start_paying():
+    controller = DraftController(ControllerSettings(backoff_rounds=4))
+    quality = {"good": False}
+    accept = lambda k: k if quality["good"] else 0  # noqa: E731
+    _run(controller, 20, accept)
+    assert controller.choose() == 0 or controller.off_until >= 0
+    quality["good"] = True
+    choices = _run(controller, 40, accept, slope_ms=5.0)
+    assert choices[-1] > 1
+
+
+def test_fixed_mode_always_drafts_the_maximum():
+    controller = DraftController(ControllerSettings(adaptive=False, max_tokens=5))
+    assert _run(controller, 5, accept=lambda k: 0) == [5] * 5
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(start_tokens=9), dict(probe_tokens=0), dict(min_gain=0),
+                                 dict(decay=0), dict(backoff_rounds=0)])
+def test_bad_settings_are_named(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ControllerSettings(**bad)
+
+
+def test_costs_carry_over_to_the_next_request():
+    first = DraftController()
+    _run(first, 20, accept=lambda k: k, slope_ms=2.0, draft_ms=0.5)
+    memory = first.memory()
+    assert memory.plain_ms == pytest.approx(100.0) and memory.verify_slope_ms == pytest.approx(2.0)
+    second = DraftController(memory=memory)
+    assert second.accepted + second.rejected == pytest.approx(2.0)  # carried-over acceptance: a weak prior
+    assert second.alpha > 0.9
+    choices = _run(second, 3, accept=lambda k: k, slope_ms=2.0, draft_ms=0.5)
+    assert choices[0] == 0 and choices[1] > 1  # still no draft at the prefill, but no plain measuring round
+    poor = DraftController()
+    _run(poor, 60, accept=lambda k: 0)
+    assert _run(DraftController(memory=poor.memory()), 4, accept=lambda k: 0)[1] == 0  # stays off from round 1

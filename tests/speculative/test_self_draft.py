@@ -1,0 +1,144 @@
+"""make_draft: a self-draft from the target's own weights; the target is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf.speculative.head import DraftHead
+from kvboost_hf.speculative.quantized import Int8Linear, quantized_linear
+from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
+from kvboost_hf.streaming import StreamingAWQConfig, streaming_stats
+from kvboost_hf.streaming.linear import AWQInt4Linear
+from kvboost_hf.streaming.pack import pack_model
+from tests.conftest import make_tiny, make_tiny_tokenizer, random_ids, words
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _texts():
+    return [words(random_ids(80, 700 + k)) + " w5 w5 w5 w7" for k in range(3)]
+
+
+def test_target_is_untouched_and_tensors_are_shared(reuse):
+    model = make_tiny("gemma3")
+    reuse(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = random_ids(12, 3)
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+    draft = make_draft(model, bits=4, layers=2)
+    assert type(draft).__name__ == "Gemma3ForCausalLM" and not hasattr(draft, "_kvboost_reuse")
+    assert len(draft.model.layers) == 2 and draft.config.num_hidden_layers == 2
+    assert len(model.model.layers) == 3 and model.config.num_hidden_layers == 3
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert draft.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert draft.model.norm.weight.data_ptr() == model.model.norm.weight.data_ptr()
+    linears = [m for m in draft.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and any(isinstance(m, AWQInt4Linear) for m in draft.modules())
+    assert isinstance(draft.lm_head, DraftHead)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), ref)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_linears_are_close_to_float(bits):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 64), torch.randn(48)  # 48 rows: int4 pads to a multiple of 16
+    layer = quantized_linear(weight, bias, bits)
+    x = torch.randn(5, 64)
+    ref = x @ weight.t() + bias
+    error = (layer(x) - ref).norm() / ref.norm()
+    assert error < (0.12 if bits == 4 else 0.02), error
+    assert layer(x).shape == (5, 48) and layer(x).dtype == torch.float32
+    if bits == 8:
+        assert isinstance(layer, Int8Linear)
+
+
+def test_restricted_head_is_minus_inf_outside_and_exact_inside():
+    model = make_tiny("llama")
+    tokens = torch.tensor([2, 5, 9, 40])
+    full = DraftHead.build(model.lm_head, 8, 96, None, None)
+    restricted = DraftHead.build(model.lm_head, 8, 96, tokens, None)
+    hidden = torch.randn(2, 3, 64)
+    a, b = full(hidden), restricted(hidden)
+    assert b.shape == a.shape == (2, 3, 96)
+    outside = torch.ones(96, dtype=torch.bool)
+    outside[tokens] = False
+    assert torch.isneginf(b[..., outside]).all()
+    assert torch.equal(b[..., tokens], a[..., tokens])  # int8 rows are quantized independently
+    capped = DraftHead.build(model.lm_head, 8, 96, tokens, 2.0)(hidden)
+    assert torch.isneginf(capped[..., outside]).all() and capped[..., tokens].abs().max() <= 2.0
+
+
+def test_softcapped_model_keeps_minus_inf(reuse):
+    model = make_tiny("gemma3")
+    model.config.final_logit_softcapping = 5.0
+    draft = make_draft(model, bits=8, vocab=20, tokenizer=make_tiny_tokenizer(), texts=_texts())
+    assert draft.config.final_logit_softcapping is None and model.config.final_logit_softcapping == 5.0
+    logits = draft(random_ids(6, 2)).logits
+    assert (torch.isneginf(logits[0, -1]).sum() >= 96 - 23) and logits[0, -1].max() <= 5.0
+    ids = random_ids(16, 4)
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    reuse(model)
+    settings = ControllerSettings(adaptive=False, max_tokens=3, start_tokens=1, probe_tokens=1)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, draft=draft, speculation=settings), ref)
+
+
+def test_frequency_ranking_is_counted_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HF_CACHE", str(tmp_path))
+    tokenizer = make_tiny_tokenizer()
+    texts = ["w7 w7 w7 w9 w9 w4", "w9 w7 w11"]
+    ranking = token_ranking(tokenizer, 96, texts)
+    assert ranking[:4].tolist() == [7, 9, 4, 11] and sorted(ranking.tolist()) == list(range(96))
+    assert len(list((tmp_path / "frspec").glob("*.pt"))) == 1
+    assert torch.equal(token_ranking(tokenizer, 96, texts), ranking)
+    assert len(list((tmp_path / "frspec").glob("*.pt"))) == 1
+    assert draft_vocabulary(ranking, 2, always=[2, 0]).tolist() == [0, 2, 7, 9]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bits=3), "bits"), (dict(head_bits=16), "head_bits"), (dict(layers=0), "layers"), (dict(layers=9), "layers"),
+    (dict(vocab=10), "tokenizer"), (dict(vocab=0, tokenizer=object()), "vocab"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_draft(make_tiny("llama"), **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_streamed_target_with_resident_int4_draft(family, tmp_path, reuse):
+    """A partially resident streamed AWQ target (fp32 compute) and its int4 self-draft: identical output,
+    fewer streamed-layer passes than plain decoding."""
+    model = make_tiny(family, seed=3, num_layers=6)
+    pack_model(model, tmp_path / "ckpt", group_size=32)
+    config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=1, keep_last_k=1, n_staging_slots=2)
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=config,
+                                                  dtype=torch.float32).eval()
+    ids = random_ids(24, 8)
+    before = streaming_stats(target).acquisitions
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    plain_passes = streaming_stats(target).acquisitions - before
+    draft = make_draft(target, bits=4)
+    assert not draft._forward_pre_hooks and all(not m._forward_pre_hooks for m in draft.model.layers)
+    before = streaming_stats(target).acquisitions
+    draft(ids)  # the draft is resident: it never touches the target's staging slots
+    assert streaming_stats(target).acquisitions == before
+    reuse(target)
+    settings = ControllerSettings(adaptive=False, max_tokens=4, start_tokens=1, probe_tokens=1)
+    out = target.generate(ids, max_new_tokens=16, do_sample=False, draft=draft, speculation=settings)
+    assert torch.equal(out, ref)
+    spec = last_request_stats(target).speculation
+    assert spec.accepted_tokens > 0
+    assert streaming_stats(target).acquisitions - before < plain_passes
+
+
+def test_streamed_target_needs_bits_4(tmp_path):
+    model = make_tiny("llama", seed=3, num_layers=4)
+    pack_model(model, tmp_path / "ckpt", group_size=32)
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=StreamingAWQConfig(
+        residency_mode="full_stream"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="bits=4"):
+        make_draft(target, bits=8)
