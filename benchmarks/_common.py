@@ -42,3 +42,25 @@ def write_json(name: str, payload: dict) -> Path:
     path = DOCS_BENCH / name
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def serve_in_thread(app, startup_timeout: float = 120.0):
+    """Serve ``app`` with uvicorn on a free loopback port in a daemon thread: ``(server, thread, base_url)``."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + startup_timeout
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}/v1"

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS_BENCH, environment, write_json  # noqa: E402
+from _common import DOCS_BENCH, environment, serve_in_thread, write_json  # noqa: E402
 from server_load import SYSTEM_PROMPT, chat_ids, cpu_pressure, percentile, questions  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse  # noqa: E402
@@ -58,11 +58,6 @@ def quantiles(values: list[float]) -> dict:
 # ----------------------------------------------------------------------------- a real server
 def start_server(model, tokenizer, scheduler: str, max_queue: int = 256):
     """The app as ``kvboost-hf serve --scheduler SCHEDULER`` sets it up here; returns (server, thread, url)."""
-    import socket
-    import threading
-
-    import uvicorn
-
     from kvboost_hf.server import ServerSettings, create_app
     from kvboost_hf.server.command import available_cores
 
@@ -71,18 +66,7 @@ def start_server(model, tokenizer, scheduler: str, max_queue: int = 256):
                      else dict(workers=cores, torch_threads=1))
     settings = ServerSettings(model_name=MODEL_NAME, max_queue=max_queue, scheduler=scheduler, **per_scheduler)
     app = create_app(model, tokenizer, ChunkStore(max_bytes=1_000_000_000, chunk_size=128), settings)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 120
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}/v1"
+    return serve_in_thread(app, startup_timeout=120)
 
 
 def stop_server(server, thread, model) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS_BENCH, environment, write_json  # noqa: E402
+from _common import DOCS_BENCH, environment, serve_in_thread, write_json  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
@@ -263,10 +263,6 @@ def schedulers_part(model, tokenizer, args) -> dict:
 def start_server(model, tokenizer, reuse: bool, max_queue: int):
     """The app on a free 127.0.0.1 port in a background thread, set up as ``kvboost-hf serve`` sets it up
     on this machine (one worker per core, one torch thread each); returns (server, thread, base_url)."""
-    import socket
-
-    import uvicorn
-
     from kvboost_hf.server import ServerSettings, create_app
     from kvboost_hf.server.command import available_cores
 
@@ -275,18 +271,7 @@ def start_server(model, tokenizer, reuse: bool, max_queue: int):
     settings = ServerSettings(model_name="gemma-3-270m", reuse=reuse, max_queue=max_queue, request_timeout=600.0,
                               workers=cores, torch_threads=1)
     app = create_app(model, tokenizer, store, settings)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}/v1"
+    return serve_in_thread(app, startup_timeout=60)
 
 
 async def drive(base_url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
