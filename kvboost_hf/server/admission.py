@@ -110,11 +110,12 @@ class MemoryAdmission:
 
     @contextmanager
     def in_batch(self, admitted: Admitted):
-        """Account the request's K/V while it is a row of the running batch (no per-request peak
-        measurement: rows share every forward, so a request's own peak is not observable)."""
-        key = id(admitted.plan)
+        """Account the request's K/V while it runs (``batch_kv_bytes``). A batch row gets only this:
+        rows share every forward, so a request's own peak is not observable."""
+        plan = admitted.plan
+        key = id(plan)
         with self._lock:
-            self._in_flight[key] = self.planner.kv_bytes(admitted.plan.prompt_tokens + admitted.plan.max_new_tokens)
+            self._in_flight[key] = self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens, plan.kv_bits)
         try:
             yield
         finally:
@@ -123,12 +124,10 @@ class MemoryAdmission:
 
     @contextmanager
     def running(self, admitted: Admitted):
-        """Account the request's K/V while it runs, and record its predicted and measured peak."""
+        """Account the request's K/V while it runs (as :meth:`in_batch`), and record its predicted and
+        measured peak."""
         plan = admitted.plan
-        key = id(plan)
-        with self._lock:
-            self._in_flight[key] = self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens, plan.kv_bits)
-        try:
+        with self.in_batch(admitted):
             if self.device == "cuda":
                 import torch
 
@@ -143,9 +142,6 @@ class MemoryAdmission:
             with self._lock:
                 self._records.append((plan.prompt_tokens, plan.predicted_peak_bytes, measured))
                 del self._records[:-MAX_RECORDS]
-        finally:
-            with self._lock:
-                self._in_flight.pop(key, None)
 
     def stats(self) -> dict:
         """Calibration: residuals (measured / predicted - 1) overall and per prompt-length cohort."""
