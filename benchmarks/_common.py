@@ -64,3 +64,21 @@ def serve_in_thread(app, startup_timeout: float = 120.0):
             raise RuntimeError("server did not start")
         time.sleep(0.05)
     return server, thread, f"http://127.0.0.1:{port}/v1"
+
+
+def started_continuous_batching(model, config, block_sharing: bool, warm_prompt: list[int]):
+    """transformers' continuous-batching manager, started and warmed up with one 2-token request
+    (a long-running server keeps one manager: its set-up and first step are not timed)."""
+    import time
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(allow_block_sharing=block_sharing))
+    manager.start()
+    manager.add_request(warm_prompt[:8], request_id="warm-up", max_new_tokens=2)
+    deadline = time.perf_counter() + 300
+    while not ((result := manager.get_result(timeout=5)) and result.is_finished()):
+        if time.perf_counter() > deadline:
+            raise RuntimeError("continuous batching warm-up did not finish in 300 s")
+    return manager

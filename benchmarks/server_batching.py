@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS_BENCH, environment, serve_in_thread, write_json  # noqa: E402
+from _common import DOCS_BENCH, environment, serve_in_thread, started_continuous_batching, write_json  # noqa: E402
 from server_load import SYSTEM_PROMPT, chat_ids, cpu_pressure, percentile, questions  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse  # noqa: E402
@@ -135,20 +135,12 @@ def server_load(model, tokenizer, scheduler: str, clients: int, requests: int, l
 def generate_batch_load(model, tokenizer, clients: int, requests: int, low: int, high: int) -> dict:
     """transformers' continuous batching, ``clients`` requests in flight, token times from streaming results."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     disable_chunk_reuse(model)
     prompts = [chat_ids(tokenizer, f"{q} (client run {clients})") for q in questions(requests)]
     config = GenerationConfig(max_new_tokens=high, do_sample=False, eos_token_id=None,
                               pad_token_id=tokenizer.pad_token_id)
-    sharing = ContinuousBatchingConfig(allow_block_sharing=True)
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=sharing)
-    manager.start()
-    manager.add_request(prompts[0][:8], request_id="warm-up", max_new_tokens=2)
-    deadline = time.perf_counter() + 300
-    while not ((result := manager.get_result(timeout=5)) and result.is_finished()):
-        if time.perf_counter() > deadline:
-            raise RuntimeError("generate_batch warm-up did not finish in 300 s")
+    manager = started_continuous_batching(model, config, block_sharing=True, warm_prompt=prompts[0])
     pending, active, rows = list(enumerate(prompts)), {}, []
     start = time.perf_counter()
     try:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS_BENCH, environment, serve_in_thread, write_json  # noqa: E402
+from _common import DOCS_BENCH, environment, serve_in_thread, started_continuous_batching, write_json  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
@@ -155,20 +155,11 @@ def run_continuous_batching(model, tokenizer, prompts: list[list[int]], max_toke
                             block_sharing: bool) -> dict:
     """transformers' continuous batching manager, ``in_flight`` requests submitted at a time."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     disable_chunk_reuse(model)
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos_ids(tokenizer),
                               pad_token_id=tokenizer.pad_token_id)
-    cb_config = ContinuousBatchingConfig(allow_block_sharing=block_sharing)
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
-    manager.start()
-    # A long-running server keeps one manager: its set-up and first step are not timed.
-    manager.add_request(prompts[0][:8], request_id="warm-up", max_new_tokens=2)
-    deadline = time.perf_counter() + 300
-    while not ((result := manager.get_result(timeout=5)) and result.is_finished()):
-        if time.perf_counter() > deadline:
-            raise RuntimeError("continuous batching warm-up did not finish")
+    manager = started_continuous_batching(model, config, block_sharing, warm_prompt=prompts[0])
     start = time.perf_counter()
     outputs: dict[str, list[int]] = {}
     first_token: dict[str, float] = {}
