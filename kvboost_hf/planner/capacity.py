@@ -14,8 +14,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# Kept equal to kvboost_hf.store.codec.ENTRY_OVERHEAD_BYTES (tested): importing it would pull in torch.
+# Kept equal to kvboost_hf.store.codec's (tested): importing it would pull in torch.
 ENTRY_OVERHEAD_BYTES = 256
+TOKEN_BYTES = 12  # a stored token's id and its logprob slot
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # Fraction of the memory kept free for activations, allocator slack and the runtime itself.
 DEFAULT_MARGIN = 0.10
@@ -119,7 +120,7 @@ def stored_bytes_per_token(shape: ModelShape, kv_bits: int | None, chunk_size: i
                            group_size: int | None = None) -> float:
     """Bytes one token costs at rest in a ChunkStore (every layer; scales and token id included)."""
     elements = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-    bookkeeping = 8 + ENTRY_OVERHEAD_BYTES / chunk_size  # the token id, and each entry's fixed overhead
+    bookkeeping = TOKEN_BYTES + ENTRY_OVERHEAD_BYTES / chunk_size  # token id + logprob, each entry's overhead
     if kv_bits is None:
         return elements * shape.dtype_bytes + bookkeeping
     group = group_size or next((g for g in (128, 64, 32, 16, 8) if shape.head_dim % g == 0), shape.head_dim)

@@ -14,6 +14,9 @@ Encoded = torch.Tensor | QuantizedTensor
 
 # Bookkeeping bytes per entry beyond its tensors and token ids (key, dict slots, dataclass).
 ENTRY_OVERHEAD_BYTES = 256
+# Per token: its id (8) and its logprob (4, float32), counted from the start although a logprob is
+# attached later (``store.logprobs``), so attaching one never takes a store past its budget.
+TOKEN_BYTES = 12
 
 
 def _nbytes(piece: Encoded) -> int:
@@ -53,7 +56,7 @@ class StoredChunk:
 
     def __post_init__(self) -> None:
         pieces = (*self.keys, *self.values, *self.sink_keys, *self.sink_values)
-        self.nbytes = sum(_nbytes(p) for p in pieces) + 8 * len(self.token_ids) + ENTRY_OVERHEAD_BYTES
+        self.nbytes = sum(_nbytes(p) for p in pieces) + TOKEN_BYTES * len(self.token_ids) + ENTRY_OVERHEAD_BYTES
 
     @property
     def num_tokens(self) -> int:

@@ -4,8 +4,9 @@ A token's logprob given everything before it is a property of the token chain an
 which is exactly what a chunk key names (a chained hash under the model's namespace). It costs
 4 bytes per token (float32). It is only known where a forward computed logits at every position
 (a prompt scored for ``echo`` + ``logprobs``), so it is attached to already stored chunks
-afterwards; the disk tier's files are rewritten with them, and a Redis copy carries them when it
-is written after that.
+afterwards; the disk tier's files and the Redis copies are rewritten with them. The store counts
+those 4 bytes in every entry's size from the start (``codec.TOKEN_BYTES``), so attaching them
+never takes it past its budget.
 """
 
 from __future__ import annotations

@@ -367,16 +367,21 @@ class ChunkStore:
         self._add_ram(entry)
         self._counts["inserted"] += 1
         self._write_disk(entry)
-        if self._remote is not None and not self._read_only:
-            tensors, metadata = to_tensors(entry)
-            self._remote.write_async(entry.key, entry.parent, entry.token_ids, entry.bits, tensors, metadata)
+        self._write_remote(entry)
 
     def persist(self, entries: Sequence[StoredChunk]) -> None:
-        """Write RAM ``entries`` to the disk tier again, after a field was attached (per-token ``logprobs``)."""
+        """Write RAM ``entries`` to the disk and remote tiers again, after a field was attached
+        (per-token ``logprobs``)."""
         with self._lock:
             for entry in entries:
                 if self._ram.get(entry.key) is entry:
                     self._write_disk(entry)
+                    self._write_remote(entry)
+
+    def _write_remote(self, entry: StoredChunk) -> None:
+        if self._remote is not None and not self._read_only:
+            tensors, metadata = to_tensors(entry)
+            self._remote.write_async(entry.key, entry.parent, entry.token_ids, entry.bits, tensors, metadata)
 
     def _write_disk(self, entry: StoredChunk) -> None:
         if self._disk is None or self._read_only:

@@ -14,6 +14,7 @@ from kvboost_hf.cli import main
 from kvboost_hf.planner import ModelShape, capacity, kv_bytes_per_sequence, kv_bytes_per_token, weight_bytes
 from kvboost_hf.planner.capacity import (
     ENTRY_OVERHEAD_BYTES,
+    TOKEN_BYTES as CAPACITY_TOKEN_BYTES,
     checkpoint_weight_bytes,
     estimated_parameters,
     stored_bytes_per_token,
@@ -85,6 +86,7 @@ def test_weight_estimate_and_stored_bytes_match_the_real_model_and_store(family,
         entry = store.entries()[0]
         assert entry.nbytes / entry.num_tokens == pytest.approx(stored_bytes_per_token(shape, bits, 16), rel=1e-6)
     assert ENTRY_OVERHEAD_BYTES == codec.ENTRY_OVERHEAD_BYTES
+    assert CAPACITY_TOKEN_BYTES == codec.TOKEN_BYTES
 
 
 def test_plan_command_json(tmp_path, capsys):

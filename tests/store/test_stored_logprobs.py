@@ -98,3 +98,48 @@ def test_attached_logprobs_reach_the_disk_tier(tmp_path):
         assert served[0] is None and served[1:] == pytest.approx(values[1:])
     finally:
         disable_chunk_reuse(model)
+
+
+def test_attached_logprobs_reach_another_replica_through_redis(redis_url):
+    """Chunks go to Redis when stored, before any logprob is known; attaching rewrites the copies."""
+    import uuid
+
+    from kvboost_hf import disable_chunk_reuse, enable_chunk_reuse
+    from kvboost_hf.state import namespace
+    from tests.conftest import make_tiny
+
+    prefix = f"lp-{uuid.uuid4().hex[:8]}"
+    model = make_tiny("llama", seed=1)
+    store = ChunkStore(max_bytes=10_000_000, chunk_size=16, remote=redis_url, remote_prefix=prefix)
+    enable_chunk_reuse(model, store)
+    try:
+        ids = list(range(3, 43))
+        model.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False)
+        ns = namespace(model)
+        assert store.flush()
+        before = ChunkStore(max_bytes=10_000_000, chunk_size=16, remote=redis_url, remote_prefix=prefix)
+        assert stored_logprobs(before, ns, ids) == []  # the first copies carry none
+        values = [None, *[-2.0 - i / 64 for i in range(1, len(ids))]]
+        assert attach_logprobs(store, ns, ids, values) == 3
+        assert store.flush()
+        replica = ChunkStore(max_bytes=10_000_000, chunk_size=16, remote=redis_url, remote_prefix=prefix)
+        served = stored_logprobs(replica, ns, ids)
+        assert served[0] is None and served[1:] == pytest.approx(values[1:])
+        for other in (before, replica):
+            other.close()
+    finally:
+        store.close()
+        disable_chunk_reuse(model)
+
+
+def test_a_store_full_of_chunks_stays_in_budget_when_logprobs_are_attached(tiny_prompt_store):
+    from kvboost_hf.store.codec import ENTRY_OVERHEAD_BYTES
+
+    store, ns, ids = tiny_prompt_store
+    held = store.nbytes
+    for entry in store.entries():  # K/V, then per token its id (8 bytes) and a logprob slot (4), then overhead
+        kv = sum(t.numel() * t.element_size() for t in (*entry.keys, *entry.values))
+        assert entry.nbytes == kv + 12 * entry.num_tokens + ENTRY_OVERHEAD_BYTES
+    attach_logprobs(store, ns, ids, [None, *[-1.0] * (len(ids) - 1)])
+    assert sum(e.logprobs.numel() * 4 for e in store.entries()) == 4 * len(ids)
+    assert store.nbytes == held  # nothing uncounted was added
