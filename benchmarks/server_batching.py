@@ -3,6 +3,9 @@
 
 Parts (``--part``, default ``all``):
 
+Clients are ``openai`` SDK streaming clients in a process of their own (``_clients.py``), as real
+clients are; the server runs in this process.
+
 - ``load``: for each of ``--clients`` (1, 8, 16, 32 concurrent streaming SDK clients, loopback),
   a fresh real server per scheduler (``batch``, ``workers``) and an untimed warm-up, then
   ``--requests-per-client`` requests per client: the shared system prompt plus a distinct
@@ -13,10 +16,12 @@ Parts (``--part``, default ``all``):
 - ``admission``: ``--admission-streams`` streams decode while one ``--long-prompt``-token prompt
   is admitted; inter-token p50 of the streams over the run and p95 while the long prompt is
   prefilled (from its submission to its first token), per scheduler.
-- ``mechanism``: the justification of the batched-decode mechanism: ms per decode step of
-  ``BatchRunner.decode`` (per-request caches shown to attention right-padded with a mask)
-  against one transformers forward over a shared batched ``DynamicCache`` (the ideal: equal
-  lengths, no copies), batch 1/4/8/16, 400-token contexts.
+- ``mechanism``: the justification of the step mechanism: ms per decode step over per-request
+  caches, packed (one ``[1, tokens]`` forward, SDPA per row: the SDPA path) and padded (rows
+  right-padded with a mask: the eager path), against one transformers forward over a shared
+  batched ``DynamicCache`` (equal lengths, no per-row caches); and a step that also admits a
+  32-token prompt, packed into the decode forward vs in a forward of its own; batch 1/4/8/16,
+  400-token contexts.
 
 ``--quick`` shrinks everything to a smoke run (written to a temporary folder). Writes
 docs/benchmarks/server_batching.json and .png.
@@ -25,7 +30,6 @@ docs/benchmarks/server_batching.json and .png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _clients import run_clients  # noqa: E402
 from _common import DOCS_BENCH, environment, serve_in_thread, started_continuous_batching, write_json  # noqa: E402
 from server_load import SYSTEM_PROMPT, chat_ids, cpu_pressure, percentile, questions  # noqa: E402
 
@@ -75,49 +80,21 @@ def stop_server(server, thread, model) -> None:
     disable_chunk_reuse(model)
 
 
-async def stream_one(client, messages: list[dict], max_tokens: int) -> dict:
-    """One streaming chat request: arrival-relative token times, usage."""
-    start = time.perf_counter()
-    times, usage = [], None
-    stream = await client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, temperature=0, max_tokens=max_tokens, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return {"start": start, "end": time.perf_counter(), "times": times, "usage": usage}
-
-
-async def drive(base_url: str, prompts: list[str], clients: int, low: int, high: int) -> dict:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=1800)
-    todo, rows = list(enumerate(prompts)), []
-
-    async def one_client():
-        while todo:
-            i, question = todo.pop(0)
-            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-            rows.append(await stream_one(client, messages, new_tokens(i, low, high)))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one_client() for _ in range(clients)))
-    wall = time.perf_counter() - start
-    await client.close()
-    return {"wall_s": wall, "rows": rows}
+def drive(base_url: str, prompts: list[str], clients: int, low: int, high: int) -> dict:
+    """``clients`` streaming SDK clients (in their own process) send ``prompts`` after the system prompt."""
+    return run_clients(kind="load", url=base_url, system=SYSTEM_PROMPT, questions=prompts,
+                       max_tokens=[new_tokens(i, low, high) for i in range(len(prompts))], clients=clients)
 
 
 def load_figures(wall: float, rows: list[dict]) -> dict:
     ttfts = [r["times"][0] - r["start"] for r in rows if r["times"]]
     gaps = [b - a for r in rows for a, b in zip(r["times"], r["times"][1:])]
-    completion = sum(r["usage"].completion_tokens for r in rows)
+    completion = sum(r["usage"]["completion_tokens"] for r in rows)
     return {
         "requests_per_s": len(rows) / wall, "completion_tokens_per_s": completion / wall,
         "ttft": quantiles(ttfts), "inter_token": quantiles(gaps),
-        "cached_tokens_mean": statistics.fmean(r["usage"].prompt_tokens_details.cached_tokens for r in rows),
-        "prompt_tokens_mean": statistics.fmean(r["usage"].prompt_tokens for r in rows),
+        "cached_tokens_mean": statistics.fmean(r["usage"]["cached_tokens"] for r in rows),
+        "prompt_tokens_mean": statistics.fmean(r["usage"]["prompt_tokens"] for r in rows),
         "completion_tokens": completion, "wall_s": wall, "cpu_pressure": cpu_pressure(),
     }
 
@@ -125,8 +102,8 @@ def load_figures(wall: float, rows: list[dict]) -> dict:
 def server_load(model, tokenizer, scheduler: str, clients: int, requests: int, low: int, high: int) -> dict:
     server, thread, url = start_server(model, tokenizer, scheduler)
     try:
-        asyncio.run(drive(url, ["Warm-up. " + q for q in questions(clients)], clients, 2, 2))  # untimed
-        run = asyncio.run(drive(url, [f"{q} (client run {clients})" for q in questions(requests)], clients, low, high))
+        drive(url, ["Warm-up. " + q for q in questions(clients)], clients, 2, 2)  # untimed
+        run = drive(url, [f"{q} (client run {clients})" for q in questions(requests)], clients, low, high)
     finally:
         stop_server(server, thread, model)
     return load_figures(run["wall_s"], run["rows"])
@@ -198,31 +175,11 @@ def long_prompt_ids(tokenizer, n: int) -> list[int]:
     return tokenizer(text)["input_ids"][:n]
 
 
-async def admission_run(url: str, tokenizer, streams: int, stream_tokens: int, long_ids: list[int]) -> dict:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
-    tasks = [asyncio.create_task(stream_one(
-        client, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}], stream_tokens))
-        for q in questions(streams)]
-    await asyncio.sleep(0.5)
-    # Admit the long prompt once every stream is decoding: poll the server's own counters.
-    import httpx
-
-    async with httpx.AsyncClient(base_url=url.removesuffix("/v1"), timeout=30) as http:
-        for _ in range(6000):
-            stats = (await http.get("/v1/stats")).json()
-            if stats["queue"]["running"] >= min(streams, stats["queue"]["workers"]) and stats["queue"]["waiting"] == 0 \
-                    and stats["reuse"]["completion_tokens"] >= 0:
-                break
-            await asyncio.sleep(0.05)
-    await asyncio.sleep(2.0)  # a few tokens into every stream
-    sent = time.perf_counter()
-    await client.completions.create(model=MODEL_NAME, prompt=long_ids, max_tokens=1, temperature=0)
-    admitted = time.perf_counter()
-    rows = await asyncio.gather(*tasks)
-    await client.close()
-    gaps = [(a, b) for r in rows for a, b in zip(r["times"], r["times"][1:])]
+def admission_run(url: str, streams: int, stream_tokens: int, long_ids: list[int]) -> dict:
+    run = run_clients(kind="admission", url=url, system=SYSTEM_PROMPT, questions=questions(streams),
+                      stream_tokens=stream_tokens, long_ids=long_ids)
+    sent, admitted = run["sent"], run["admitted"]
+    gaps = [(a, b) for r in run["rows"] for a, b in zip(r["times"], r["times"][1:])]
     during = [b - a for a, b in gaps if sent < b <= admitted]
     overall = [b - a for a, b in gaps]
     return {"admission_s": admitted - sent, "inter_token_all": quantiles(overall),
@@ -236,9 +193,8 @@ def admission_part(model, tokenizer, args) -> dict:
     for scheduler in SCHEDULERS:
         server, thread, url = start_server(model, tokenizer, scheduler)
         try:
-            asyncio.run(drive(url, ["Warm-up. " + q for q in questions(2)], 2, 2, 2))  # untimed
-            out[scheduler] = asyncio.run(admission_run(url, tokenizer, args.admission_streams, args.stream_tokens,
-                                                       long_ids))
+            drive(url, ["Warm-up. " + q for q in questions(2)], 2, 2, 2)  # untimed
+            out[scheduler] = admission_run(url, args.admission_streams, args.stream_tokens, long_ids)
         finally:
             stop_server(server, thread, model)
         r = out[scheduler]
@@ -249,8 +205,14 @@ def admission_part(model, tokenizer, args) -> dict:
 
 
 # ----------------------------------------------------------------------------- the mechanism
+MECHANISMS = ("packed", "padded", "shared_dynamic_cache", "admit_packed", "admit_separate")
+
+
 def mechanism_part(model, tokenizer, args) -> dict:
-    """ms per decode step: per-request caches behind PaddedRowsCache vs one shared batched DynamicCache."""
+    """ms per step, per-request caches: packed (one ``[1, tokens]`` forward, SDPA per row) vs padded
+    (rows right-padded with a mask: the first mechanism, still the eager path) vs one shared batched
+    ``DynamicCache`` (equal lengths, no per-row caches); and a step that also admits a
+    ``--admit-chunk``-token prompt: packed into the decode forward vs a forward of its own."""
     from transformers import DynamicCache
 
     from kvboost_hf.batching import BatchRunner, RowSampling, Sequence
@@ -258,34 +220,52 @@ def mechanism_part(model, tokenizer, args) -> dict:
     disable_chunk_reuse(model)
     runner = BatchRunner(model)
     out = {}
+
+    def new_seq(ids: list[int]) -> Sequence:
+        seq = Sequence(ids, 10_000, RowSampling(temperature=0), eos_ids=[])
+        runner.start(seq)
+        return seq
+
+    def timed(name: str, run) -> None:
+        t = time.perf_counter()
+        run()
+        timings[name].append(time.perf_counter() - t)
+
     for batch in args.mechanism_batches:
-        prompts = torch.randint(10, 50_000, (batch, args.context), generator=torch.Generator().manual_seed(batch))
-        timings = {"per_request_caches": [], "shared_dynamic_cache": []}
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(10, 50_000, (batch, args.context), generator=g)
+        timings = {name: [] for name in MECHANISMS}
         for _ in range(args.rounds):
-            seqs = [Sequence(p.tolist(), 10_000, RowSampling(temperature=0), eos_ids=[]) for p in prompts]
+            seqs = [new_seq(p.tolist()) for p in prompts]
             for seq in seqs:
-                runner.start(seq)
                 seq.sample(runner.prefill([seq], [args.context])[0])
             cache = DynamicCache(config=model.config)
             with torch.no_grad():
                 logits = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             next_ids = logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(args.steps):
-                t = time.perf_counter()
-                for seq, row in zip(seqs, runner.decode(seqs)):
-                    seq.sample(row)
-                timings["per_request_caches"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                with torch.no_grad():
-                    logits = model(input_ids=next_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-                next_ids = logits[:, -1].argmax(-1, keepdim=True)
-                timings["shared_dynamic_cache"].append(time.perf_counter() - t)
+                def shared():
+                    nonlocal next_ids
+                    with torch.no_grad():
+                        out_logits = model(input_ids=next_ids, past_key_values=cache, use_cache=True,
+                                           logits_to_keep=1).logits
+                    next_ids = out_logits[:, -1].argmax(-1, keepdim=True)
+
+                chunk = [torch.randint(10, 50_000, (args.admit_chunk,), generator=g).tolist() for _ in range(2)]
+                admitted = [new_seq(ids) for ids in chunk]
+                rows = {"packed": lambda: runner.decode(seqs),
+                        "padded": lambda: runner._padded_step(seqs, [], [], [], [])[0],
+                        "admit_packed": lambda: runner.step(seqs, admitted[:1], [args.admit_chunk])[0],
+                        "admit_separate": lambda: (runner.decode(seqs), runner.prefill(admitted[1:], [args.admit_chunk]))[0]}
+                for name, run in rows.items():  # each one a decode step of every row (the next token fed alike)
+                    timed(name, lambda: [seq.sample(r) for seq, r in zip(seqs, run())])
+                timed("shared_dynamic_cache", shared)
         out[str(batch)] = {name: {"step_ms": 1000 * statistics.median(v), "tokens_per_s": batch / statistics.median(v)}
                            for name, v in timings.items()}
-        r = out[str(batch)]
-        print(f"batch {batch:>2}: per-request caches {r['per_request_caches']['step_ms']:.1f} ms/step, "
-              f"shared DynamicCache {r['shared_dynamic_cache']['step_ms']:.1f} ms/step", flush=True)
-    return {"context_tokens": args.context, "steps": args.steps, "rounds": args.rounds, "batches": out}
+        print(f"batch {batch:>2}: " + ", ".join(f"{name} {r['step_ms']:.1f} ms" for name, r in out[str(batch)].items()),
+              flush=True)
+    return {"context_tokens": args.context, "admit_chunk_tokens": args.admit_chunk, "steps": args.steps,
+            "rounds": args.rounds, "batches": out}
 
 
 # ----------------------------------------------------------------------------- report
@@ -301,11 +281,15 @@ def print_tables(result: dict) -> None:
                       f"{r['ttft']['p50_s']:.2f} s | {r['ttft']['p95_s']:.2f} s | {r['inter_token']['p50_s']:.3f} s | "
                       f"{r['inter_token']['p95_s']:.3f} s | {cached} / {r['prompt_tokens_mean']:.0f} |")
     if "mechanism" in result:
-        print("| batch | per-request caches (ms/step) | shared DynamicCache (ms/step) | ratio |")
-        print("|---:|---:|---:|---:|")
+        chunk = result["mechanism"]["admit_chunk_tokens"]
+        print(f"| batch | packed | padded | shared DynamicCache | packed / shared | step admitting a {chunk}-token "
+              "prompt: packed | same: separate forward |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for batch, r in result["mechanism"]["batches"].items():
-            a, b = r["per_request_caches"]["step_ms"], r["shared_dynamic_cache"]["step_ms"]
-            print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+            ms = {name: r[name]["step_ms"] for name in MECHANISMS}
+            print(f"| {batch} | {ms['packed']:.1f} | {ms['padded']:.1f} | {ms['shared_dynamic_cache']:.1f} | "
+                  f"{ms['packed'] / ms['shared_dynamic_cache']:.2f} | {ms['admit_packed']:.1f} | "
+                  f"{ms['admit_separate']:.1f} |")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -344,6 +328,7 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=160)
     parser.add_argument("--mechanism-batches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--context", type=int, default=400)
+    parser.add_argument("--admit-chunk", type=int, default=32, help="prompt tokens admitted in a mechanism step")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -351,6 +336,7 @@ def main() -> None:
         args.clients, args.requests_per_client, args.min_requests = [1, 4], 1, 4
         args.min_new, args.max_new, args.long_prompt, args.admission_streams = 4, 8, 300, 2
         args.stream_tokens, args.mechanism_batches, args.context, args.steps, args.rounds = 40, [1, 2], 64, 2, 1
+        args.admit_chunk = 8
 
     model, tokenizer = load_default_model()
     result = {"model": "Gemma-3-270M (float32, CPU)", "environment": environment(), "quick": args.quick,

@@ -5,7 +5,8 @@ that holds every position in order. transformers builds masks from index ranges,
 the real query positions here: ``kvboost_sdpa`` is the stock SDPA kernel registered under its
 own name (``AttentionInterface``) together with a mask function (``AttentionMaskInterface``;
 registering only the attention function leaves the mask ``None`` and SDPA silently truncates
-keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``.
+keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``; outside a packed
+batch forward (:mod:`kvboost_hf.batching.packed`) the attention function is exactly SDPA.
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ def scattered_queries() -> ScatteredQueries | None:
     return getattr(_local, "queries", None)
 
 
+def set_packed_attention(function) -> None:
+    """Route (or, with None, stop routing) this thread's ``kvboost_sdpa`` calls to ``function``
+    (a packed batch forward: :mod:`kvboost_hf.batching.packed`)."""
+    _local.packed = function
+
+
+def packed_attention():
+    return getattr(_local, "packed", None)
+
+
+def kvboost_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """Stock SDPA, except inside a packed batch forward on this thread."""
+    packed = packed_attention()
+    if packed is not None:
+        return packed(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def position_aware_sdpa_mask(**kwargs):
     """``sdpa_mask``, with query indices mapped to their real positions during a scattered forward."""
     queries = scattered_queries()
@@ -57,6 +76,6 @@ def position_aware_sdpa_mask(**kwargs):
 
 def register() -> str:
     """Register ``kvboost_sdpa`` (idempotent); returns its name for ``set_attn_implementation``."""
-    AttentionInterface.register(ATTENTION_NAME, sdpa_attention_forward)
+    AttentionInterface.register(ATTENTION_NAME, kvboost_sdpa_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, position_aware_sdpa_mask)
     return ATTENTION_NAME

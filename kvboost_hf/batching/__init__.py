@@ -1,12 +1,15 @@
 """Step-level continuous batching over per-request caches.
 
 Each request keeps its own cache (a :class:`~kvboost_hf.cache.ChunkReuseCache` when reuse is
-on, so the store lookup and commit are the library's own); a decode step runs every running
-request's next token in one batched forward, through :class:`PaddedRowsCache`, which writes
-each row's new K/V into that row's cache and shows attention the rows right-padded with a mask.
-Prompts are prefilled in chunks between decode steps (chunks of similar length batched together).
+on, so the store lookup and commit are the library's own). A step forwards every decoding
+request's next token and the step's prompt chunks (chunked prefill) in **one packed forward**
+(:class:`PackedRowsCache`): the new tokens of all rows side by side in one sequence, each row's
+K/V written into that row's cache and attended to by that row only (SDPA per row). Models on
+eager attention use :class:`PaddedRowsCache` instead: rows right-padded with prepared masks, a
+decode forward plus prompt-chunk forwards.
 
-- :mod:`.rows_cache`: the cache view of one batched forward and its attention masks;
+- :mod:`.packed`: the cache view and attention of one packed forward (SDPA);
+- :mod:`.rows_cache`: the cache view of one padded forward and its attention masks (eager);
 - :mod:`.prefill`: a prompt's lookup (the reuse hook's own) and its chunked prefill;
 - :mod:`.sampling`: per-row sampling with the row's own generator;
 - :mod:`.sequence`: one request's state (tokens, text, stop, finish);
@@ -14,6 +17,7 @@ Prompts are prefilled in chunks between decode steps (chunks of similar length b
 - :mod:`.runner`: executes a step's forwards — executes only.
 """
 
+from .packed import PackedRowsCache
 from .rows_cache import PaddedRowsCache, decode_masks, row_masks
 from .runner import BatchRunner
 from .sampling import RowSampling, next_token
@@ -23,6 +27,7 @@ from .sequence import Sequence
 __all__ = [
     "BatchLimits",
     "BatchRunner",
+    "PackedRowsCache",
     "PaddedRowsCache",
     "RowSampling",
     "Sequence",

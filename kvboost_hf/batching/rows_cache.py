@@ -1,4 +1,7 @@
-"""The cache of one batched forward over several requests, each keeping its K/V in its own cache.
+"""The cache of one padded forward over several requests, each keeping its K/V in its own cache.
+
+The runner uses it for models on eager attention (SDPA models run packed forwards:
+:mod:`.packed`).
 
 Each row forwards ``new[b]`` tokens (1 for a decode step, a prompt chunk for a prefill), left-
 padded to the widest row so every row's last token sits in the last column (``logits_to_keep=1``

@@ -1,20 +1,29 @@
-"""Executes a step's forwards: batched prompt chunks, one batched decode of the decoding rows."""
+"""Executes a step's forwards: every decoding row's latest token and the step's prompt chunks."""
 
 from __future__ import annotations
 
 import torch
 
+from .. import attention
 from ..cache import ChunkReuseCache
 from ..generate import finish_request
 from ..reuse import _target
 from ..state import reuse_state
+from .packed import PACKED_ATTENTION, PackedRowsCache, packed_forward
 from .prefill import new_row_cache, start_prefill
 from .rows_cache import PaddedRowsCache, check_attention, row_masks
+from .scheduler import group_chunks
 from .sequence import Sequence
 
 
 class BatchRunner:
-    """Runs ``model`` for sequences: their store lookup, prefill chunks, batched decode steps, commit."""
+    """Runs ``model`` for sequences: their store lookup, batched steps, commit.
+
+    With SDPA attention a step is **one packed forward** (:mod:`.packed`): decode tokens and
+    prompt chunks side by side, no padding, each row attending to its own cache. With eager
+    attention a step is a padded decode forward plus padded prompt-chunk forwards
+    (:mod:`.rows_cache`).
+    """
 
     def __init__(self, model, store=None) -> None:
         self.model = _target(model)
@@ -23,34 +32,61 @@ class BatchRunner:
         self.dtype = next(self.model.parameters()).dtype
         check_attention(self.model.config)
 
+    @property
+    def packed(self) -> bool:
+        return self.model.config._attn_implementation in PACKED_ATTENTION
+
     def start(self, seq: Sequence) -> None:
         """Give ``seq`` its own cache and load what the store holds of its prompt."""
         cache = new_row_cache(self.model, self.store)
         seq.start(cache, start_prefill(self.model, cache, seq.prompt_ids))
 
-    def prefill(self, seqs: list[Sequence], chunks: list[int]) -> list[torch.Tensor | None]:
-        """Forward ``chunks[i]`` more prompt tokens of each of ``seqs`` in one batched forward (a
-        scattered CacheBlend prefill runs alone); per row, the prompt's last logits once it is all in."""
-        out: list[torch.Tensor | None] = [None] * len(seqs)
+    def step(self, decoding: list[Sequence], prefilling: list[Sequence] = (),
+             chunks: list[int] = ()) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """Forward the latest token of every ``decoding`` row and ``chunks[i]`` more prompt tokens of
+        ``prefilling[i]``. Returns the decoding rows' next-token logits (``[rows, vocab]``, None
+        without decoding rows) and, per prefilling row, its prompt's last logits (``[vocab]``) when
+        this chunk finished the prompt, else None. A scattered (CacheBlend) prefill runs alone."""
+        check_attention(self.model.config)
+        ends: list[torch.Tensor | None] = [None] * len(prefilling)
         batched = []
-        for i, (seq, n) in enumerate(zip(seqs, chunks)):
+        for i, (seq, n) in enumerate(zip(prefilling, chunks)):
+            if n <= 0:
+                continue
             if seq.prefill.scattered:
-                out[i] = seq.prefill.run(n)
+                ends[i] = seq.prefill.run(n)
             else:
                 batched.append(i)
-        if batched:
-            taken = [seqs[i].prefill.take(chunks[i]) for i in batched]
-            ends = [last for _, _, last in taken]
-            logits = self._forward([seqs[i].cache for i in batched], [ids for ids, _, _ in taken],
-                                   [start for _, start, _ in taken], lm_head=any(ends))
-            for k, (i, last) in enumerate(zip(batched, ends)):
-                out[i] = logits[k] if last else None
-        return out
+        if not self.packed:
+            return self._padded_step(decoding, [prefilling[i] for i in batched], [chunks[i] for i in batched],
+                                     batched, ends)
+        caches = [seq.cache for seq in decoding]
+        ids = [torch.tensor([seq.feed_token()]) for seq in decoding]
+        starts = [seq.position for seq in decoding]
+        wanted = [True] * len(decoding)
+        for i in batched:
+            chunk, start, last = prefilling[i].prefill.take(chunks[i])
+            caches.append(prefilling[i].cache)
+            ids.append(chunk)
+            starts.append(start)
+            wanted.append(last)
+        if not caches:
+            return None, ends
+        logits = self._packed_forward(caches, ids, starts, wanted)
+        rows = iter(logits) if logits is not None else iter(())
+        decoded = torch.stack([next(rows) for _ in decoding]) if decoding else None
+        for i, last in zip(batched, wanted[len(decoding):]):
+            ends[i] = next(rows) if last else None
+        return decoded, ends
 
     def decode(self, rows: list[Sequence]) -> torch.Tensor:
         """One forward of every row's latest token; returns ``[len(rows), vocab]`` logits."""
-        ids = [torch.tensor([seq.feed_token()]) for seq in rows]
-        return self._forward([seq.cache for seq in rows], ids, [seq.position for seq in rows])
+        return self.step(rows)[0]
+
+    def prefill(self, seqs: list[Sequence], chunks: list[int]) -> list[torch.Tensor | None]:
+        """Forward ``chunks[i]`` more prompt tokens of each of ``seqs``; per row, the prompt's last
+        logits once it is all in."""
+        return self.step([], seqs, chunks)[1]
 
     def finish(self, seq: Sequence) -> int:
         """Store the confirmed K/V of a finished (or cancelled) ``seq``; returns the chunks stored."""
@@ -60,8 +96,53 @@ class BatchRunner:
         finish_request(state, cache)
         return cache.stats.stored_chunks if cache.stats is not None else 0
 
-    def _forward(self, caches: list, ids: list[torch.Tensor], starts: list[int],
-                 lm_head: bool = True) -> torch.Tensor | None:
+    # ------------------------------------------------------------------ packed (SDPA)
+    def _packed_forward(self, caches: list, ids: list[torch.Tensor], starts: list[int],
+                        wanted: list[bool]) -> list[torch.Tensor] | None:
+        """One ``[1, tokens]`` forward of every row's ``ids`` at positions ``starts[b]``...; the logits
+        of the last token of each row with ``wanted[b]`` (None when no row wants any: decoder only)."""
+        new = [int(t.numel()) for t in ids]
+        input_ids = torch.cat([t.reshape(-1) for t in ids]).to(self.device)[None]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, new)]).to(self.device)[None]
+        last = torch.tensor(new).cumsum(0) - 1
+        keep = last[torch.tensor(wanted, dtype=torch.bool)].to(self.device)
+        cache = PackedRowsCache(caches, new)
+        # A prepared 4D mask makes transformers skip building masks; packed attention ignores it.
+        placeholder = torch.ones(1, 1, input_ids.shape[1], 1, dtype=torch.bool, device=self.device)
+        kwargs = dict(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
+                      past_key_values=cache, use_cache=True)
+        config = self.model.config
+        implementation = config._attn_implementation
+        try:
+            if implementation != attention.ATTENTION_NAME:  # stock SDPA outside packed forwards: same numerics
+                config._attn_implementation = attention.ATTENTION_NAME
+            with torch.no_grad(), packed_forward(cache):
+                if not keep.numel():
+                    self.model.base_model(**kwargs)
+                    return None
+                return list(self.model(**kwargs, logits_to_keep=keep).logits[0])
+        finally:
+            if config._attn_implementation != implementation:
+                config._attn_implementation = implementation
+
+    # ------------------------------------------------------------------ padded (eager)
+    def _padded_step(self, decoding: list[Sequence], prefilling: list[Sequence], chunks: list[int],
+                     indices: list[int], ends: list) -> tuple[torch.Tensor | None, list]:
+        decoded = None
+        if decoding:
+            ids = [torch.tensor([seq.feed_token()]) for seq in decoding]
+            decoded = self._padded_forward([seq.cache for seq in decoding], ids, [seq.position for seq in decoding])
+        for group in group_chunks(chunks):
+            taken = [prefilling[k].prefill.take(chunks[k]) for k in group]
+            last = [end for _, _, end in taken]
+            logits = self._padded_forward([prefilling[k].cache for k in group], [t for t, _, _ in taken],
+                                          [s for _, s, _ in taken], lm_head=any(last))
+            for j, k in enumerate(group):
+                ends[indices[k]] = logits[j] if last[j] else None
+        return decoded, ends
+
+    def _padded_forward(self, caches: list, ids: list[torch.Tensor], starts: list[int],
+                        lm_head: bool = True) -> torch.Tensor | None:
         """One forward of ``ids[b]`` (1D) at positions ``starts[b]``... for each row's cache, left-padded;
         the logits of each row's last token, ``[rows, vocab]`` (None without ``lm_head``: only the
         decoder runs, for prompt chunks that end no prompt)."""

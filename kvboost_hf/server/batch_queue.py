@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..batching import BatchLimits, BatchRunner, RowSampling, Sequence, group_chunks, plan_step
+from ..batching import BatchLimits, BatchRunner, RowSampling, Sequence, plan_step
 from .admission import Admitted, MemoryAdmission
 from .batch_metrics import BatchMetrics
 from .generation import Reply, ReplyText, SamplingParams
@@ -165,15 +165,12 @@ class BatchingQueue:
                 prefilling.append(row)
         chunks = plan_step(len(self._rows), 0, len(decoding), [r.seq.prefill.remaining for r in prefilling],
                            self.limits).chunks
-        if decoding:
-            logits = self.runner.decode([row.seq for row in decoding])
-            for row, row_logits in zip(decoding, logits):
-                self._take(row, row_logits)
-        for group in group_chunks(chunks):
-            rows = [prefilling[i] for i in group]
-            for row, logits in zip(rows, self.runner.prefill([r.seq for r in rows], [chunks[i] for i in group])):
-                if logits is not None:
-                    self._take(row, logits)
+        logits, ends = self.runner.step([row.seq for row in decoding], [row.seq for row in prefilling], chunks)
+        for row, row_logits in zip(decoding, logits if logits is not None else ()):
+            self._take(row, row_logits)
+        for row, end in zip(prefilling, ends):
+            if end is not None:
+                self._take(row, end)
         self.metrics.observe_step(len(decoding), [n for n in chunks if n])
         for row in [r for r in self._rows if r.seq.finished]:
             self._end(row)

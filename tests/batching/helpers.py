@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_hf.batching import BatchLimits, BatchRunner, Sequence, group_chunks, plan_step
+from kvboost_hf.batching import BatchLimits, BatchRunner, Sequence, plan_step
 
 
 def run_batch(runner: BatchRunner, seqs: list[Sequence], limits: BatchLimits, on_step=None) -> list[dict]:
@@ -21,18 +21,14 @@ def run_batch(runner: BatchRunner, seqs: list[Sequence], limits: BatchLimits, on
             if seq.prefilling:
                 prefilling.append(seq)
         chunks = plan_step(len(running), 0, len(decoding), [s.prefill.remaining for s in prefilling], limits).chunks
-        if decoding:
-            for seq, logits in zip(decoding, runner.decode(decoding)):
-                seq.sample(logits)
-        groups = group_chunks(chunks)
-        for group in groups:
-            rows = [prefilling[i] for i in group]
-            for seq, logits in zip(rows, runner.prefill(rows, [chunks[i] for i in group])):
-                if logits is not None:
-                    seq.sample(logits)
+        logits, ends = runner.step(decoding, prefilling, chunks)
+        for seq, row in zip(decoding, logits if logits is not None else ()):
+            seq.sample(row)
+        for seq, end in zip(prefilling, ends):
+            if end is not None:
+                seq.sample(end)
         steps.append({"decoded": [id(s) for s in decoding],
-                      "chunks": {id(s): n for s, n in zip(prefilling, chunks) if n},
-                      "prefill_forwards": [len(g) for g in groups]})
+                      "chunks": {id(s): n for s, n in zip(prefilling, chunks) if n}})
         if on_step is not None:
             on_step(steps[-1])
         for seq in [s for s in running if s.finished]:
