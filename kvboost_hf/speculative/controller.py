@@ -16,6 +16,14 @@ The rule (documented in docs/speculative.md):
   plain rate ``1 / plain``, speculation is switched off for ``backoff_rounds`` rounds, then one
   probe round re-measures; every failed probe doubles the back-off, so a draft that never pays
   costs a bounded share of rounds.
+- A model draft must first forward every token it has not seen (the prompt, on its first round;
+  the tokens decoded while speculation was off, after a back-off). That catch-up is measured per
+  token and charged to the round that needs it: a round is drafted only if its catch-up costs
+  less than what speculation can save over the rest of the request (``remaining x plain x
+  (1 - 1/gain)``; for a probe or the first round of a request, whose gain is unknown,
+  ``min_gain - 1`` of the remaining plain decode time). Otherwise the round is plain and the
+  question comes back after a back-off. The back-off state carries over to the next request with the
+  same draft, so a draft that did not pay does not re-prefill the next prompt to find out again.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRIOR_WEIGHT = 2.0  # acceptance carried over from earlier requests counts as this many rounds
+# A model draft has not forwarded the (up to) two tokens every round brings: the target's own and
+# its last draft token. More unseen tokens than that is a catch-up.
+ROUND_TOKENS = 2
 
 
 @dataclass
@@ -67,6 +78,8 @@ class CostMemory:
     draft_ms_per_token: float | None = None
     accepted: float = 0.0
     rejected: float = 0.0
+    catch_up_ms_per_token: float | None = None
+    backoff: int | None = None  # the back-off in force when the request ended switched off, else None
 
 
 class _Ema:
@@ -90,45 +103,69 @@ class DraftController:
         self.plain_ms = _Ema()
         self.verify_slope_ms = _Ema()
         self.draft_ms_per_token = _Ema()
+        self.catch_up_ms_per_token = _Ema()
         self.drafted_rounds = 0
+        self.off_until = -1
+        self.backoff = self.settings.backoff_rounds
+        self.off_reason = ""
+        self._probing = False
         if memory is not None:
             self.plain_ms.value, self.verify_slope_ms.value = memory.plain_ms, memory.verify_slope_ms
             self.draft_ms_per_token.value = memory.draft_ms_per_token
+            self.catch_up_ms_per_token.value = memory.catch_up_ms_per_token
             total = memory.accepted + memory.rejected
             if total > 0:  # the earlier requests' acceptance, as a prior worth PRIOR_WEIGHT rounds
                 self.accepted = PRIOR_WEIGHT * memory.accepted / total
                 self.rejected = PRIOR_WEIGHT * memory.rejected / total
-        self.off_until = -1
-        self.backoff = self.settings.backoff_rounds
-        self.off_reason = ""
+            if memory.backoff is not None:  # the last request ended switched off: so does this one start
+                self.backoff = memory.backoff
+                self.off_until = 1 + memory.backoff
+                self.off_reason = "switched off by an earlier request with this draft"
 
     def memory(self) -> CostMemory:
         """The current estimates, to start the next request with the same draft from."""
         return CostMemory(self.plain_ms.value, self.verify_slope_ms.value, self.draft_ms_per_token.value,
-                          self.accepted, self.rejected)
+                          self.accepted, self.rejected, self.catch_up_ms_per_token.value,
+                          self.backoff if self.off_until > self.round or self.round == self.off_until else None)
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def choose(self) -> int:
-        """Draft tokens to propose this round (0: a plain decode step)."""
+    def choose(self, unseen: int = 0, remaining: int | None = None) -> int:
+        """Draft tokens to propose this round (0: a plain decode step). ``unseen``: tokens the draft must
+        forward before drafting (catch-up); ``remaining``: tokens the request may still generate."""
         s = self.settings
         if not s.adaptive:
             return s.max_tokens
+        self._probing = False
         if self.round == 0:
             return 0
         if self.plain_ms.value is None:
             return 0
         if self.verify_slope_ms.value is None:
-            return s.start_tokens
+            return self._afford(s.start_tokens, None, unseen, remaining)
         if self.round < self.off_until:
             return 0
         if self.off_until >= 0 and self.round == self.off_until:
-            return s.probe_tokens  # one probe round after a back-off
-        return self._decide()
+            self._probing = True
+            return self._afford(s.probe_tokens, None, unseen, remaining)  # one probe round after a back-off
+        return self._decide(unseen, remaining)
 
-    def _decide(self) -> int:
+    def _afford(self, k: int, gain: float | None, unseen: int, remaining: int | None) -> int:
+        """``k``, or 0 when the draft's catch-up costs more than speculation can save in the request."""
+        rate = self.catch_up_ms_per_token.value
+        if k == 0 or unseen <= ROUND_TOKENS or rate is None or remaining is None or self.plain_ms.value is None:
+            return k
+        share = (1.0 - 1.0 / gain) if gain is not None else (self.settings.min_gain - 1.0)
+        if unseen * rate <= share * remaining * self.plain_ms.value:
+            return k
+        self.off_reason = (f"the draft's catch-up ({unseen} tokens, ~{unseen * rate:.0f} ms) costs more than "
+                           f"speculation can save in the {remaining} tokens left")
+        self.off_until = self.round + self.backoff  # ask again after a back-off (not doubled: nothing was tried)
+        return 0
+
+    def _decide(self, unseen: int = 0, remaining: int | None = None) -> int:
         s = self.settings
         plain = self.plain_ms.value
         slope = max(0.0, self.verify_slope_ms.value)
@@ -142,7 +179,7 @@ class DraftController:
             if self.off_until >= 0:
                 self.backoff = s.backoff_rounds
             self.off_until = -1
-            return best_k
+            return self._afford(best_k, best_rate * plain, unseen, remaining)
         self.off_reason = (f"predicted {best_rate * plain:.2f}x plain at best (alpha {self.alpha:.2f}, plain "
                            f"{plain:.1f} ms, verify +{slope:.1f} ms/token, draft {draft:.1f} ms/token)")
         if self.off_until >= 0:
@@ -150,8 +187,9 @@ class DraftController:
         self.off_until = self.round + self.backoff
         return 0
 
-    def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
-        """Learn from the round just verified: ``drafted`` candidates, ``accepted`` of them kept."""
+    def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float, unseen: int = 0) -> None:
+        """Learn from the round just verified: ``drafted`` candidates, ``accepted`` of them kept; the
+        draft first forwarded ``unseen`` tokens it had not seen."""
         first = self.round == 0
         self.round += 1
         if first:
@@ -165,5 +203,8 @@ class DraftController:
         if self.plain_ms.value is not None:
             self.verify_slope_ms.add((verify_ms - self.plain_ms.value) / drafted)
         self.drafted_rounds += 1
-        if self.drafted_rounds > 1:  # a model draft's first round also prefills the draft: not a sample
+        per_token = self.draft_ms_per_token.value
+        if unseen > ROUND_TOKENS:  # a round that caught the draft up: its time is mostly that forward
+            self.catch_up_ms_per_token.add(max(0.0, draft_ms - drafted * (per_token or 0.0)) / unseen)
+        elif self.drafted_rounds > 1:
             self.draft_ms_per_token.add(draft_ms / drafted)

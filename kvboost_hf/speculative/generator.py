@@ -28,6 +28,9 @@ class Proposer(Protocol):
 
     def finish(self, sequence: torch.LongTensor): ...
 
+    def unseen(self, input_ids: torch.LongTensor) -> int:
+        """Tokens of ``input_ids`` the proposer must forward before it can draft (0 for lookups)."""
+
 
 class FixedProposer:
     """An HF candidate generator used as is (it picks its own draft length): telemetry only."""
@@ -44,6 +47,9 @@ class FixedProposer:
     def finish(self, sequence: torch.LongTensor) -> None:
         return None
 
+    def unseen(self, input_ids: torch.LongTensor) -> int:
+        return 0
+
 
 class MeasuredCandidateGenerator(CandidateGenerator):
     """Drafts through ``proposer`` with lengths chosen by ``controller``; records ``stats``."""
@@ -51,17 +57,19 @@ class MeasuredCandidateGenerator(CandidateGenerator):
     def __init__(self, proposer: Proposer, controller: DraftController | None, stats: SpeculationStats,
                  max_length: int) -> None:
         self.proposer, self.controller, self.stats, self.max_length = proposer, controller, stats, max_length
-        self._drafted, self._draft_ms, self._drafted_at = 0, 0.0, 0.0
+        self._drafted, self._draft_ms, self._drafted_at, self._unseen = 0, 0.0, 0.0, 0
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
         room = max(0, self.max_length - input_ids.shape[1] - 1)  # the target adds one token itself
+        unseen = self.proposer.unseen(input_ids)
         if self.controller is None:
             k = room
         else:
-            k = min(self.controller.choose(), room)
+            k = min(self.controller.choose(unseen, room), room)
             self.stats.record_choice(k)
         candidates, logits = self.proposer.propose(input_ids, k) if k > 0 else (input_ids, None)
+        self._unseen = unseen if k > 0 else 0
         self._drafted = candidates.shape[1] - input_ids.shape[1]
         self._drafted_at = time.perf_counter()
         self._draft_ms = (self._drafted_at - start) * 1000.0
@@ -73,7 +81,7 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         first = self.stats.rounds == 0
         self.stats.record_round(self._drafted, accepted, self._draft_ms, verify_ms, first)
         if self.controller is not None:
-            self.controller.observe(self._drafted, accepted, self._draft_ms, verify_ms)
+            self.controller.observe(self._drafted, accepted, self._draft_ms, verify_ms, self._unseen)
             self.stats.off_reason = self.controller.off_reason
         if self._drafted:
             self.proposer.update(input_ids, scores, num_matches)

@@ -94,6 +94,9 @@ class LookupProposer:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.source_counts = {"request": 0, "store": 0}
 
+    def unseen(self, input_ids: torch.LongTensor) -> int:
+        return 0  # lookups read the tokens themselves: nothing to catch up
+
     def propose(self, input_ids: torch.LongTensor, k: int) -> tuple[torch.LongTensor, None]:
         ids = input_ids[0].tolist()
         known = sum(len(s) for s in self.context.sequences)

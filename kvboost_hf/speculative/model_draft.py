@@ -41,6 +41,12 @@ class ModelProposer:
     def update(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         self.inner.update_candidate_strategy(input_ids, scores, num_matches)
 
+    def unseen(self, input_ids: torch.LongTensor) -> int:
+        """Tokens the assistant has no K/V for yet (its whole prompt before its first round)."""
+        cache = self.inner.assistant_kwargs.get("past_key_values")
+        held = cache.get_seq_length() if cache is not None else 0
+        return max(0, input_ids.shape[1] - held)
+
     def finish(self, sequence: torch.LongTensor) -> ChunkReuseCache | None:
         """Store the draft's K/V of the tokens the target confirmed (a prefix of ``sequence``)."""
         cache = self.cache

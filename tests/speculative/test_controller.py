@@ -93,3 +93,41 @@ def test_costs_carry_over_to_the_next_request():
     poor = DraftController()
     _run(poor, 60, accept=lambda k: 0)
     assert _run(DraftController(memory=poor.memory()), 4, accept=lambda k: 0)[1] == 0  # stays off from round 1
+
+
+def test_a_catch_up_that_costs_more_than_speculation_saves_is_skipped():
+    """A model draft that must first forward a long prompt: measured once, then only paid where it pays."""
+    first = DraftController()
+    for unseen, k in ((0, 0), (0, 0)):  # prefill round, plain measurement
+        assert first.choose(unseen, 100) == k
+        first.observe(0, 0, 0.0, 100.0)
+    assert first.choose(600, 100) == ControllerSettings().start_tokens  # catch-up cost unknown: learn it
+    first.observe(4, 4, 600 * 2.0 + 4 * 5.0, 140.0, unseen=600)  # 2 ms per caught-up token
+    assert first.catch_up_ms_per_token.value == pytest.approx(2.0, rel=0.05)  # per-token cost not known yet: included
+    assert first.draft_ms_per_token.value is None  # a catch-up round is no sample of the per-token cost
+    memory = first.memory()
+    # Next request: 600 unseen prompt tokens (~1.2 s) but 10 tokens left (1 s of plain decoding): speculation
+    # could save at most 1 s x (1 - 1/gain), less than the catch-up.
+    short = DraftController(memory=memory)
+    short.observe(0, 0, 0.0, 100.0)  # prefill round
+    assert short.choose(600, 10) == 0 and "catch-up" in short.off_reason
+    assert all(short.choose(600, 10) == 0 for _ in range(5))
+    # With 1,000 tokens left the same catch-up is worth it.
+    long = DraftController(memory=memory)
+    long.observe(0, 0, 0.0, 100.0)
+    assert long.choose(600, 1000) > 0
+    # Ordinary rounds (at most two unseen tokens) are never charged a catch-up.
+    assert long.choose(2, 1) > 0
+
+
+def test_a_request_that_ended_switched_off_starts_the_next_one_switched_off():
+    poor = DraftController(ControllerSettings(backoff_rounds=8))
+    _run(poor, 40, accept=lambda k: 0)
+    memory = poor.memory()
+    assert memory.backoff is not None and memory.backoff >= 8
+    nxt = DraftController(ControllerSettings(backoff_rounds=8), memory=memory)
+    choices = _run(nxt, memory.backoff + 1, accept=lambda k: 0)
+    assert choices == [0] * (memory.backoff + 1)  # no round drafts before the carried back-off has passed
+    good = DraftController()
+    _run(good, 20, accept=lambda k: k, slope_ms=2.0, draft_ms=0.5)
+    assert good.memory().backoff is None  # a request that ended speculating carries no back-off
