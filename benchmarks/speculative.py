@@ -188,6 +188,23 @@ def load_streamed(model, tokenizer, mbps: float):
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32).eval()
 
 
+def merged(earlier: dict, partial: dict) -> dict:
+    """``earlier``'s results with the variants ``partial`` re-ran replaced (each with its own plain run:
+    speed-ups are always against the plain runs interleaved with them)."""
+    out = dict(earlier)
+    out["partial_reruns"] = [*earlier.get("partial_reruns", []),
+                             {"environment": partial["environment"], "settings": partial["settings"]}]
+    for workload, res in partial["workloads"].items():
+        old = out["workloads"].get(workload, {"identical": True, "mismatches": [], "variants": {}})
+        variants = dict(old["variants"])
+        for name, v in res["variants"].items():
+            if name != "plain":
+                variants[name] = {**v, "rerun": True}
+        out["workloads"][workload] = {"identical": old["identical"] and res["identical"],
+                                      "mismatches": old["mismatches"] + res["mismatches"], "variants": variants}
+    return out
+
+
 def print_table(result: dict) -> None:
     print(f"\n{'workload':10} {'variant':22} {'tok/s':>7} {'speed-up':>8} {'TTFT x':>7} {'accept':>7} "
           f"{'tok/round':>9} {'spec share':>10} {'mean k':>6} {'off':>4} identical")
@@ -232,6 +249,9 @@ def main() -> None:
                              "workload each (0: RAM speed; 1000: as in docs/streaming.md's overlap experiment)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--workloads", default="chat,document,streamed,repeated")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variant name prefixes to run (plain always runs); their rows replace "
+                             "those of docs/benchmarks/speculative.json, the other rows are kept (a partial re-run)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 run, short replies, written under /tmp")
     args = parser.parse_args()
     if args.quick:
@@ -247,21 +267,28 @@ def main() -> None:
               f"int4-vocab{args.draft_vocab // 1024}k": {"draft": int4},
               f"int8-vocab{args.draft_vocab // 1024}k": {"draft": int8}}
     chosen = args.workloads.split(",")
+    wanted = args.variants.split(",") if args.variants else None
+
+    def only(variants: dict) -> dict:
+        if wanted is None:
+            return variants
+        return {k: v for k, v in variants.items() if k == "plain" or any(k.startswith(w) for w in wanted)}
+
     result = {"environment": environment(), "settings": vars(args), "workloads": {}}
     store_bytes = 2_000_000_000
     if "chat" in chosen:
         chat = [c[:1] for c in CHAT_TURNS[:1]] if args.quick else CHAT_TURNS
-        result["workloads"]["chat"] = bench_workload(model, None, common, args, eos, store_bytes, chat=chat,
+        result["workloads"]["chat"] = bench_workload(model, None, only(common), args, eos, store_bytes, chat=chat,
                                                      tokenizer=tokenizer)
     if "document" in chosen:
         variants = {**common, "hf-prompt-lookup-10": {"prompt_lookup_num_tokens": 10}}
         prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
-        result["workloads"]["document"] = bench_workload(model, prompts, variants, args, eos, store_bytes)
+        result["workloads"]["document"] = bench_workload(model, prompts, only(variants), args, eos, store_bytes)
     if "repeated" in chosen:
         prompts = repeated_prompts(tokenizer)[:: 4 if args.quick else 1]
         variants = {k: common[k] for k in ("plain", "prompt-lookup", "store")}
         variants["hf-prompt-lookup-10"] = {"prompt_lookup_num_tokens": 10}
-        result["workloads"]["repeated"] = bench_workload(model, prompts, variants, args, eos, store_bytes,
+        result["workloads"]["repeated"] = bench_workload(model, prompts, only(variants), args, eos, store_bytes,
                                                          warm_pass=True)
     if "streamed" in chosen:
         prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
@@ -270,12 +297,15 @@ def main() -> None:
             draft = make_draft(streamed, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
             variants = {"plain": {}, f"int4-vocab{args.draft_vocab // 1024}k (resident)": {"draft": draft}}
             name = "streamed" + (f"@{mbps:g}MB/s" if mbps else "")
-            result["workloads"][name] = bench_workload(streamed, prompts, variants, args, eos, store_bytes)
+            result["workloads"][name] = bench_workload(streamed, prompts, only(variants), args, eos, store_bytes)
             del streamed, draft
-    print_table(result)
+    import json
+
     out_dir = Path(tempfile.mkdtemp(prefix="speculative-quick-")) if args.quick else DOCS_BENCH
     out_dir.mkdir(parents=True, exist_ok=True)
-    import json
+    if wanted is not None and (out_dir / "speculative.json").exists():
+        result = merged(json.loads((out_dir / "speculative.json").read_text()), result)
+    print_table(result)
 
     (out_dir / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out_dir / "speculative.png")

@@ -22,8 +22,9 @@ The rule (documented in docs/speculative.md):
   less than what speculation can save over the rest of the request (``remaining x plain x
   (1 - 1/gain)``; for a probe or the first round of a request, whose gain is unknown,
   ``min_gain - 1`` of the remaining plain decode time). Otherwise the round is plain and the
-  question comes back after a back-off. The back-off state carries over to the next request with the
-  same draft, so a draft that did not pay does not re-prefill the next prompt to find out again.
+  question comes back after a back-off. The catch-up cost carries over to the next request with
+  the same draft like the other costs, so a request whose prompt the draft cannot afford to
+  prefill never starts drafting.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ class CostMemory:
     accepted: float = 0.0
     rejected: float = 0.0
     catch_up_ms_per_token: float | None = None
-    backoff: int | None = None  # the back-off in force when the request ended switched off, else None
 
 
 class _Ema:
@@ -117,16 +117,11 @@ class DraftController:
             if total > 0:  # the earlier requests' acceptance, as a prior worth PRIOR_WEIGHT rounds
                 self.accepted = PRIOR_WEIGHT * memory.accepted / total
                 self.rejected = PRIOR_WEIGHT * memory.rejected / total
-            if memory.backoff is not None:  # the last request ended switched off: so does this one start
-                self.backoff = memory.backoff
-                self.off_until = 1 + memory.backoff
-                self.off_reason = "switched off by an earlier request with this draft"
 
     def memory(self) -> CostMemory:
         """The current estimates, to start the next request with the same draft from."""
         return CostMemory(self.plain_ms.value, self.verify_slope_ms.value, self.draft_ms_per_token.value,
-                          self.accepted, self.rejected, self.catch_up_ms_per_token.value,
-                          self.backoff if self.off_until > self.round or self.round == self.off_until else None)
+                          self.accepted, self.rejected, self.catch_up_ms_per_token.value)
 
     @property
     def alpha(self) -> float:

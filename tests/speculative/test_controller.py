@@ -119,15 +119,3 @@ def test_a_catch_up_that_costs_more_than_speculation_saves_is_skipped():
     # Ordinary rounds (at most two unseen tokens) are never charged a catch-up.
     assert long.choose(2, 1) > 0
 
-
-def test_a_request_that_ended_switched_off_starts_the_next_one_switched_off():
-    poor = DraftController(ControllerSettings(backoff_rounds=8))
-    _run(poor, 40, accept=lambda k: 0)
-    memory = poor.memory()
-    assert memory.backoff is not None and memory.backoff >= 8
-    nxt = DraftController(ControllerSettings(backoff_rounds=8), memory=memory)
-    choices = _run(nxt, memory.backoff + 1, accept=lambda k: 0)
-    assert choices == [0] * (memory.backoff + 1)  # no round drafts before the carried back-off has passed
-    good = DraftController()
-    _run(good, 20, accept=lambda k: k, slope_ms=2.0, draft_ms=0.5)
-    assert good.memory().backoff is None  # a request that ended speculating carries no back-off
