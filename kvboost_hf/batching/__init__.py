@@ -8,7 +8,7 @@ Prompts are prefilled in chunks between decode steps (chunks of similar length b
 
 - :mod:`.rows_cache`: the cache view of one batched forward and its attention masks;
 - :mod:`.prefill`: a prompt's lookup (the reuse hook's own) and its chunked prefill;
-- :mod:`.sampling`: per-row sampling with the row's own generator;
+- :mod:`.sampling`: per-row sampling (the row's own processors, warpers and generator) and raw logprobs;
 - :mod:`.sequence`: one request's state (tokens, text, stop, finish);
 - :mod:`.scheduler`: decides each step (admissions, prefill chunks) — decides only;
 - :mod:`.runner`: executes a step's forwards — executes only.
@@ -16,7 +16,7 @@ Prompts are prefilled in chunks between decode steps (chunks of similar length b
 
 from .rows_cache import PaddedRowsCache, decode_masks, row_masks
 from .runner import BatchRunner
-from .sampling import RowSampling, next_token
+from .sampling import RawLogprob, RowSampling, next_token, raw_logprob
 from .scheduler import BatchLimits, StepPlan, group_chunks, plan_step
 from .sequence import Sequence
 
@@ -24,12 +24,14 @@ __all__ = [
     "BatchLimits",
     "BatchRunner",
     "PaddedRowsCache",
+    "RawLogprob",
     "RowSampling",
     "Sequence",
     "StepPlan",
     "decode_masks",
     "row_masks",
     "next_token",
+    "raw_logprob",
     "group_chunks",
     "plan_step",
 ]
