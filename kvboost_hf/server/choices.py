@@ -51,7 +51,7 @@ GenerateOne = Callable[[PromptPlan, int, int], Reply]
 
 
 def candidate_params(params: SamplingParams, candidate: int) -> SamplingParams:
-    """The settings of candidate ``candidate``: ``seed + candidate`` when seeded (candidate 0 is the ``n = 1`` reply)."""
+    """The settings of candidate ``candidate``: ``seed + candidate`` when seeded (candidate 0: the ``n = 1`` reply)."""
     if candidate == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=params.seed + candidate)

@@ -211,13 +211,13 @@ def test_penalties_and_logit_bias_as_rows_equal_the_worker_path():
     for scheduler in ("workers", "batch"):
         with serve(model, tokenizer, scheduler=scheduler) as server:
             before = batch_stats(server)["prefill_chunks"] if scheduler == "batch" else None
-            results[scheduler] = [
-                server.client().completions.create(model=MODEL_NAME, extra_body={"ignore_eos": True}, **body)
-                .choices[0].text for body in PENALISED]
+            outs = [server.client().completions.create(model=MODEL_NAME, extra_body={"ignore_eos": True}, **body)
+                    for body in PENALISED]
+            results[scheduler] = [(out.choices[0].text, out.usage.completion_tokens) for out in outs]
             if scheduler == "batch":
                 assert batch_stats(server)["prefill_chunks"] >= before + len(PENALISED)  # they ran as rows
     assert results["batch"] == results["workers"]
-    assert len(results["batch"][0].split()) == 12
+    assert [tokens for _, tokens in results["batch"]] == [body["max_tokens"] for body in PENALISED]
 
 
 def test_a_row_whose_grammar_fails_fails_alone():
