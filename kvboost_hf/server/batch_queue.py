@@ -131,7 +131,7 @@ class BatchingQueue:
         self._drop_cancelled()
         decoding = [row for row in self._rows if row.seq.decoding]
         prefilling = [row for row in self._rows if row.seq.prefilling]
-        plan = plan_step(len(self._rows), self.waiting, len(decoding), [], self.limits)
+        plan = plan_step(len(self._rows), self._waiting_rows(), len(decoding), [], self.limits)
         for _ in range(plan.admit):
             row = self._admit()
             if row is not None and row.seq.prefilling:
@@ -150,6 +150,14 @@ class BatchingQueue:
         self.metrics.observe_step(len(decoding), [n for n in chunks if n])
         for row in [r for r in self._rows if r.seq.finished]:
             self._end(row)
+
+    def _waiting_rows(self) -> int:
+        """Rows that could join now: every row of each waiting job (a job run whole counts one), then
+        the pending rows of started jobs; so a job's rows join in one step when the batch has room."""
+        with self._cond:
+            jobs = list(self._incoming)
+        rows = sum(len(job.request.rows) if isinstance(job.request, RowsRequest) else 1 for job in jobs)
+        return rows + sum(len(group.pending) for group in self._partial)
 
     def _drop_cancelled(self) -> None:
         for group in [g for g in self._partial if g.job.cancelled.is_set()]:

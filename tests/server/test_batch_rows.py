@@ -176,7 +176,12 @@ def test_best_of_keeps_the_candidate_with_the_highest_cumulative_logprob(narrow_
     client, prompt = narrow_server.client(), words(33, 34)
     kw = dict(temperature=1.0, extra_body={"ignore_eos": True})
     candidates = [complete(client, prompt, seed=7 + c, logprobs=0, **kw).choices[0] for c in range(3)]
-    best = complete(client, prompt, seed=7, n=1, best_of=3, **kw).choices
+    widths, handle = forward_widths(narrow_server.model)
+    try:
+        best = complete(client, prompt, seed=7, n=1, best_of=3, **kw).choices
+    finally:
+        handle.remove()
+    assert max(widths) == 2  # the candidates ran as rows
     scores = [sum(c.logprobs.token_logprobs) for c in candidates]
     assert len(set(scores)) == 3
     assert len(best) == 1 and best[0].index == 0
@@ -236,10 +241,12 @@ def test_a_row_whose_grammar_fails_fails_alone():
             threading.Thread(target=stream_lines, args=(server.base_url, body, 10_000, lines, done),
                              daemon=True).start()
             server.wait_until(lambda: len(lines) > 3, "the stream to start")
+            before = batch_stats(server)["prefill_chunks"]
             failed = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
                 "model": MODEL_NAME, "messages": [{"role": "user", "content": words(12)}], "max_tokens": 5, "n": 2,
                 "response_format": {"type": "json_object"}})
             assert not done.is_set()  # the stream was still running when the grammar rows failed
+            assert batch_stats(server)["prefill_chunks"] >= before + 2  # the two choices were rows
         finally:
             handle.remove()
         assert done.wait(60)
