@@ -11,7 +11,7 @@ decode forward plus prompt-chunk forwards.
 - :mod:`.packed`: the cache view and attention of one packed forward (SDPA);
 - :mod:`.rows_cache`: the cache view of one padded forward and its attention masks (eager);
 - :mod:`.prefill`: a prompt's lookup (the reuse hook's own) and its chunked prefill;
-- :mod:`.sampling`: per-row sampling with the row's own generator;
+- :mod:`.sampling`: per-row sampling (the row's own processors, warpers and generator) and raw logprobs;
 - :mod:`.sequence`: one request's state (tokens, text, stop, finish);
 - :mod:`.scheduler`: decides each step (admissions, prefill chunks) — decides only;
 - :mod:`.runner`: executes a step's forwards — executes only.
@@ -20,7 +20,7 @@ decode forward plus prompt-chunk forwards.
 from .packed import PackedRowsCache
 from .rows_cache import PaddedRowsCache, decode_masks, row_masks
 from .runner import BatchRunner
-from .sampling import RowSampling, next_token
+from .sampling import RawLogprob, RowSampling, next_token, raw_logprob
 from .scheduler import BatchLimits, StepPlan, group_chunks, plan_step
 from .sequence import Sequence
 
@@ -29,12 +29,14 @@ __all__ = [
     "BatchRunner",
     "PackedRowsCache",
     "PaddedRowsCache",
+    "RawLogprob",
     "RowSampling",
     "Sequence",
     "StepPlan",
     "decode_masks",
     "row_masks",
     "next_token",
+    "raw_logprob",
     "group_chunks",
     "plan_step",
 ]

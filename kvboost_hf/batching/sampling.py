@@ -1,8 +1,10 @@
-"""Per-row sampling: the row's own settings, logits warpers and ``torch.Generator``.
+"""Per-row sampling: the row's own logits processors, warpers and ``torch.Generator``.
 
 A seeded request draws from its own generator, so its tokens do not depend on the other rows
-of the batch (no global RNG, no lock). Temperature and top-p are transformers' own warpers,
-applied in generate's order.
+of the batch (no global RNG, no lock). A row's custom ``processors`` (grammar masks, biases,
+penalties: any transformers ``LogitsProcessor``) see its raw fp32 logits first; temperature and
+top-p are transformers' own warpers, applied after them, the order the server's ``generate``
+path uses. Logprobs are taken from the raw logits, before any of them.
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogit
 
 @dataclass
 class RowSampling:
-    """How one row picks its next token: greedy when ``temperature`` is 0."""
+    """How one row picks its next token: greedy when ``temperature`` is 0.
+
+    ``processors`` belong to this row alone (stateful ones, like a grammar matcher, must not be
+    shared): each is called once per generated token with the row's ids so far, ``[1, L]``.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    processors: list = field(default_factory=list)
     generator: torch.Generator = field(init=False, repr=False)
     warpers: LogitsProcessorList = field(init=False, repr=False)
 
@@ -45,17 +52,48 @@ class RowSampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def needs_ids(self) -> bool:
+        """Whether :func:`next_token` must be given the row's token ids."""
+        return bool(self.processors) or bool(self.warpers)
+
 
 def next_token(logits: torch.Tensor, sampling: RowSampling, input_ids: torch.Tensor | None = None) -> int:
     """The next token of one row from its last-position ``logits`` (``[vocab]``), fp32.
 
-    Greedy rows take the argmax; sampling rows apply their warpers and draw with their own
-    generator (``input_ids``, the row's tokens so far, are what the warpers may look at).
+    The row's processors run first on the raw logits (``input_ids``, the row's tokens so far,
+    required when it has any); then greedy rows take the argmax, and sampling rows apply their
+    warpers (temperature, then top-p) and draw with their own generator.
     """
     scores = logits.float().reshape(1, -1)
+    ids = (input_ids.reshape(1, -1).to(scores.device) if input_ids is not None
+           else torch.zeros((1, 0), dtype=torch.long, device=scores.device))
+    if sampling.processors:
+        if input_ids is None:
+            raise ValueError("a row with logits processors needs its token ids (input_ids)")
+        for processor in sampling.processors:
+            scores = processor(ids, scores)
     if sampling.greedy:
         return int(scores.argmax(dim=-1))
-    ids = input_ids.reshape(1, -1) if input_ids is not None else torch.zeros((1, 0), dtype=torch.long)
     scores = sampling.warpers(ids, scores)
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, num_samples=1, generator=sampling.generator))
+
+
+@dataclass
+class RawLogprob:
+    """The model's own log-probability (fp32 log-softmax of the raw logits) of a generated token,
+    and the ``top`` most likely (token id, logprob) pairs at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def raw_logprob(logprobs: torch.Tensor, token_id: int, top: int) -> RawLogprob:
+    """``logprobs`` (``[vocab]``, a log-softmax) read at ``token_id``, with the ``top`` largest."""
+    entry = RawLogprob(token_id, float(logprobs[token_id]))
+    if top > 0:
+        values, indices = logprobs.topk(top)
+        entry.top = list(zip(indices.tolist(), values.tolist()))
+    return entry

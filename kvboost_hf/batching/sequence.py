@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from .prefill import PromptPrefill
-from .sampling import RowSampling, next_token
+from .sampling import RawLogprob, RowSampling, next_token, raw_logprob
 
 
 class VisibleText(Protocol):
@@ -25,11 +25,12 @@ class Sequence:
     ``prefill`` is set by :meth:`start`; while ``prefilling`` the scheduler gives it chunks;
     once the prompt's last logits gave the first token it is ``decoding`` and feeds its latest
     token in each decode step until :attr:`finish_reason` is set ("stop", "length", or
-    "cancelled").
+    "cancelled"). With ``logprobs`` (k >= 0) each generated token's raw logprob and the top k
+    are recorded in :attr:`logprobs`, one entry per token of :attr:`generated`.
     """
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: RowSampling, eos_ids: list[int],
-                 text: VisibleText | None = None, ignore_eos: bool = False) -> None:
+                 text: VisibleText | None = None, ignore_eos: bool = False, logprobs: int | None = None) -> None:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: a sequence needs at least one prompt token")
         if max_tokens < 1:
@@ -44,6 +45,8 @@ class Sequence:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
+        self.top_logprobs = logprobs
+        self.logprobs: list[RawLogprob] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -68,9 +71,13 @@ class Sequence:
 
     # ------------------------------------------------------------------ tokens
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from this row's last logits and record it; returns it."""
-        ids = torch.tensor(self.prompt_ids + self.generated) if self.sampling.warpers else None
+        """Pick the next token from this row's last logits and record it (and its raw logprob); returns it."""
+        ids = torch.tensor(self.prompt_ids + self.generated) if self.sampling.needs_ids else None
+        # Before the processors run: a processor may change scores in place, a logprob is the model's.
+        logprobs = torch.log_softmax(logits.float().reshape(-1), dim=-1) if self.top_logprobs is not None else None
         token = next_token(logits, self.sampling, ids)
+        if logprobs is not None:
+            self.logprobs.append(raw_logprob(logprobs, token, self.top_logprobs))
         self.add_token(token)
         return token
 

@@ -78,7 +78,7 @@ class MemoryAdmission:
     def __init__(self, planner: MemoryPlanner, auto_truncate: bool = False, device: str = "cpu") -> None:
         self.planner, self.auto_truncate, self.device = planner, auto_truncate, device
         self._lock = threading.Lock()
-        self._in_flight: dict[int, int] = {}  # id(plan) -> predicted K/V bytes of a running request
+        self._in_flight: dict[object, int] = {}  # one key per running generation -> its predicted K/V bytes
         self._records: list[tuple[int, int, int]] = []  # (prompt tokens, predicted, measured)
         self.refused = self.truncated = 0
 
@@ -111,9 +111,11 @@ class MemoryAdmission:
     @contextmanager
     def in_batch(self, admitted: Admitted):
         """Account the request's K/V while it runs (``batch_kv_bytes``). A batch row gets only this:
-        rows share every forward, so a request's own peak is not observable."""
+        rows share every forward, so a request's own peak is not observable. Each entry counts on
+        its own: the rows of one request (``n``, ``best_of``) enter with the same ``admitted``,
+        and each holds its own K/V."""
         plan = admitted.plan
-        key = id(plan)
+        key = object()
         with self._lock:
             self._in_flight[key] = self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens, plan.kv_bits)
         try:

@@ -10,7 +10,6 @@ the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import math
@@ -32,12 +31,11 @@ from ..store import ChunkStore
 from ..warm import warm
 from . import schemas
 from .admission import Admitted, MemoryAdmission, MemoryCollector, plan_headers
-from .choices import Choice, PromptPlan, RowJob, empty_reply, row_compatible, run_choices
+from .choices import Choice, PromptPlan, candidate_params, empty_reply, rows_request, run_choices, runs_as_rows
 from .errors import APIError, install_error_handlers
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
 from .logprobs import prompt_logprobs
 from .metrics import ServerMetrics
-from .batch_queue import RowRequest
 from .processors import request_processors
 from .queues import make_queue
 from .responses import ChunkWriter, chat_choice, completion_choice, usage_of
@@ -425,8 +423,7 @@ class _Service:
             def one(plan: PromptPlan, index: int, candidate: int) -> Reply:
                 if params.max_tokens == 0:
                     return empty_reply(len(plan.prompt_ids))
-                seeded = params if candidate == 0 or params.seed is None else dataclasses.replace(
-                    params, seed=params.seed + candidate)
+                seeded = candidate_params(params, candidate)
                 with self.admission.running(plan.admitted) if self.admission else contextlib.nullcontext():
                     return generate_reply(
                         self.model, self.tokenizer, plan.prompt_ids, seeded, self.eos_ids,
@@ -440,11 +437,10 @@ class _Service:
             echo = (lambda ids: prompt_logprobs(self.model, ids, top, store)) if echo_logprobs else None
             return run_choices(plans, one, job.cancelled.is_set, echo)
 
-        if len(plans) == 1 and row_compatible(plans[0], params, tools, echo_logprobs):
-            job = RowJob(work, plans[0])  # a row of the batch scheduler (the worker scheduler runs work)
-            job.request = RowRequest(plans[0].prompt_ids, params, stream_text, plans[0].admitted)
-        else:
-            job = Job(work)  # the batch scheduler runs it whole, between steps
+        job = Job(work)  # the worker scheduler runs work
+        if runs_as_rows(plans, params, echo_logprobs):  # the batch scheduler runs its generations as rows
+            job.request = rows_request(plans, params, stream_text)
+        # else the batch scheduler runs work whole, between steps
         self.submit(job)
         response_id = schemas.new_id("chatcmpl" if chat else "cmpl")
         try:

@@ -1,11 +1,14 @@
 """The continuous-batching scheduler of the server (``--scheduler batch``).
 
 One thread owns the model. Each step it frees rows whose client left or timed out, admits
-waiting requests (store lookup on their own cache), decodes every decoding row in one batched
+waiting rows (store lookup on their own cache), decodes every decoding row in one batched
 forward, and forwards prompt chunks within ``max_batched_tokens``, so a long prompt never stops
-the running streams for more than one chunk. A finished row commits its confirmed K/V to the
-store and its job gets ``("done", Reply)``. Jobs without a row request (``/v1/warm``) run on the
-same thread between steps.
+the running streams for more than one chunk. A job asks for one row per generation
+(:mod:`~kvboost_hf.server.batch_rows`: ``n``, ``best_of`` and list prompts give several, each
+with its own logits processors and logprobs); its rows join as the batch has room, a finished
+row commits its confirmed K/V to the store, and when the job's last row ends the job gets
+``("done", result)``. Jobs without rows (``/v1/warm``, prompt scoring, quantized-K/V plans) run
+whole on the same thread between steps.
 
 Jobs and events are those of :mod:`~kvboost_hf.server.scheduler` (``started``, ``delta``,
 ``done``, ``error``, ``cancelled``), so the routes serve both schedulers alike.
@@ -13,64 +16,31 @@ Jobs and events are those of :mod:`~kvboost_hf.server.scheduler` (``started``, `
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from ..batching import BatchLimits, BatchRunner, RowSampling, Sequence, plan_step
-from .admission import Admitted, MemoryAdmission
+from ..batching import BatchLimits, BatchRunner, plan_step
+from .admission import MemoryAdmission
 from .batch_metrics import BatchMetrics
-from .generation import Reply, ReplyText, SamplingParams
+from .batch_rows import BatchRow, JobRows, RowRequest, RowsRequest
 from .scheduler import Job, QueueFullError
 
+__all__ = ["BatchingQueue", "RowRequest", "RowsRequest"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RowRequest:
-    """What a generation job asks of the batch: its prompt, sampling settings and plan."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool = False
-    admitted: Admitted | None = None
-
-
-class _Row:
-    """A job in the running batch: its sequence, visible text and memory accounting."""
-
-    def __init__(self, job: Job, request: RowRequest, eos_ids: list[int], tokenizer) -> None:
-        params = request.params
-        self.job, self.request = job, request
-        self.text = ReplyText(tokenizer, params.stop)
-        sampling = RowSampling(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
-        self.seq = Sequence(request.prompt_ids, params.max_tokens, sampling, eos_ids, self.text, params.ignore_eos)
-        self.resources = contextlib.ExitStack()
-
-    def emit_delta(self, final: bool = False) -> None:
-        if self.request.stream:
-            piece = self.text.delta(final=final)
-            if piece:
-                self.job.emit("delta", piece)
-
-    def reply(self) -> Reply:
-        seq, stats = self.seq, getattr(self.seq.cache, "stats", None)
-        finish = None if seq.finish_reason == "cancelled" else seq.finish_reason
-        return Reply(text=self.text.text, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
-                     cached_tokens=stats.reused_tokens if stats is not None else 0, finish_reason=finish,
-                     first_token_at=seq.first_token_at, token_ids=list(seq.generated))
 
 
 class BatchingQueue:
     """A FIFO of at most ``max_queue`` waiting jobs in front of a batch of ``limits.max_batch_size`` rows.
 
     Same surface as :class:`~kvboost_hf.server.scheduler.GenerationQueue` (``submit``,
-    ``waiting``, ``running``, ``depth``, ``start``, ``stop``). ``admission`` returns the
-    server's memory admission (or None): each row's K/V is accounted while it runs.
+    ``waiting``, ``running``, ``depth``, ``start``, ``stop``); ``running`` counts rows and
+    ``waiting`` counts waiting jobs plus the rows of started jobs still waiting for room.
+    ``admission`` returns the server's memory admission (or None): each row's K/V is accounted
+    while it runs.
     """
 
     workers = 1
@@ -84,7 +54,8 @@ class BatchingQueue:
         self.admission = admission
         self.metrics = metrics or BatchMetrics()
         self._incoming: deque[Job] = deque()
-        self._rows: list[_Row] = []
+        self._partial: deque[JobRows] = deque()  # started jobs with rows still waiting for room, oldest first
+        self._rows: list[BatchRow] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -94,7 +65,7 @@ class BatchingQueue:
     # ------------------------------------------------------------------ surface
     @property
     def waiting(self) -> int:
-        return len(self._incoming)
+        return len(self._incoming) + sum(len(group.pending) for group in list(self._partial))
 
     @property
     def running(self) -> int:
@@ -126,7 +97,7 @@ class BatchingQueue:
         """Cancel running and waiting jobs; the scheduler thread exits."""
         with self._cond:
             self._stopping = True
-            for job in list(self._incoming) + [row.job for row in self._rows]:
+            for job in [*self._incoming, *(g.job for g in self._partial), *(row.job for row in self._rows)]:
                 job.cancel()
             self._cond.notify()
         if self._thread is not None:
@@ -137,7 +108,7 @@ class BatchingQueue:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._incoming and not self._rows:
+                while not self._stopping and not self._incoming and not self._rows and not self._partial:
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -151,6 +122,8 @@ class BatchingQueue:
             row.seq.cancel()
             self._end(row)
         self._rows = []
+        while self._partial:
+            self._drop_pending(self._partial[0])
         while self._incoming:
             self._incoming.popleft().emit("cancelled")
 
@@ -158,7 +131,7 @@ class BatchingQueue:
         self._drop_cancelled()
         decoding = [row for row in self._rows if row.seq.decoding]
         prefilling = [row for row in self._rows if row.seq.prefilling]
-        plan = plan_step(len(self._rows), self.waiting, len(decoding), [], self.limits)
+        plan = plan_step(len(self._rows), self._waiting_rows(), len(decoding), [], self.limits)
         for _ in range(plan.admit):
             row = self._admit()
             if row is not None and row.seq.prefilling:
@@ -175,7 +148,17 @@ class BatchingQueue:
         for row in [r for r in self._rows if r.seq.finished]:
             self._end(row)
 
+    def _waiting_rows(self) -> int:
+        """Rows that could join now: every row of each waiting job (a job run whole counts one), then
+        the pending rows of started jobs; so a job's rows join in one step when the batch has room."""
+        with self._cond:
+            jobs = list(self._incoming)
+        rows = sum(len(job.request.rows) if isinstance(job.request, RowsRequest) else 1 for job in jobs)
+        return rows + sum(len(group.pending) for group in self._partial)
+
     def _drop_cancelled(self) -> None:
+        for group in [g for g in self._partial if g.job.cancelled.is_set()]:
+            self._drop_pending(group)
         for row in list(self._rows):
             if row.job.cancelled.is_set():
                 row.seq.cancel()
@@ -190,33 +173,59 @@ class BatchingQueue:
                     kept.append(job)
             self._incoming = kept
 
-    def _admit(self) -> _Row | None:
-        """Start the oldest waiting job: a row (lookup done) or, for other work, run it now."""
-        with self._cond:
-            job = self._incoming.popleft()
-        job.started_at = time.perf_counter()
-        self.metrics.observe_wait(job.started_at - job.enqueued_at)
-        request = getattr(job, "request", None)
-        job.emit("started", job.started_at)
-        if not isinstance(request, RowRequest):
-            self._run_work(job)
-            return None
-        try:
-            row = _Row(job, request, self.eos_ids, self.tokenizer)
-        except Exception as exc:
-            job.emit("error", exc)
-            return None
+    def _admit(self) -> BatchRow | None:
+        """Start the next waiting row: a pending row of a started job first, else the oldest waiting
+        job's first row (lookup done). A job without rows (other work) runs whole now."""
+        while self._partial and not self._partial[0].pending:
+            self._partial.popleft()
+        if self._partial:
+            group = self._partial[0]
+        else:
+            group = self._start_job()
+            if group is None:
+                return None
+        row = group.pending.pop(0)
+        if not group.pending and self._partial and self._partial[0] is group:
+            self._partial.popleft()
         self._rows.append(row)
         try:
             admission = self.admission()
-            if admission is not None and request.admitted is not None and request.admitted.plan is not None:
-                row.resources.enter_context(admission.in_batch(request.admitted))
+            admitted = row.request.admitted
+            if admission is not None and admitted is not None and admitted.plan is not None:
+                row.resources.enter_context(admission.in_batch(admitted))  # per row: each holds its own K/V
             self.runner.start(row.seq)
         except Exception as exc:
             logger.exception("starting a request failed")
             self._end(row, error=exc)
             return None
         return row
+
+    def _start_job(self) -> JobRows | None:
+        """Pop the oldest waiting job: its rows (pending, queued in ``_partial``), or None when it ran
+        whole (or none waits: a failed row can drop pending rows the step planned to admit)."""
+        with self._cond:
+            if not self._incoming:
+                return None
+            job = self._incoming.popleft()
+        job.started_at = time.perf_counter()
+        self.metrics.observe_wait(job.started_at - job.enqueued_at)
+        request = getattr(job, "request", None)
+        job.emit("started", job.started_at)
+        if not isinstance(request, RowsRequest):
+            self._run_work(job)
+            return None
+        try:
+            group = JobRows(job, request, self.eos_ids, self.tokenizer)
+        except Exception as exc:  # e.g. a processor factory that fails for this request
+            logger.exception("preparing a request's rows failed")
+            self._job_ended(job)
+            job.emit("error", exc)
+            return None
+        if not group.pending:
+            self._finish(group)
+            return None
+        self._partial.append(group)
+        return group
 
     def _run_work(self, job: Job) -> None:
         try:
@@ -227,15 +236,34 @@ class BatchingQueue:
         else:
             job.emit("done", result)
         finally:
-            job.finished_at = time.perf_counter()
-            self.completed += 1
+            self._job_ended(job)
 
-    def _take(self, row: _Row, logits) -> None:
-        row.seq.sample(logits)
+    def _take(self, row: BatchRow, logits) -> None:
+        if row.seq.finished:  # cancelled in this step (a sibling row failed): its token is not wanted
+            return
+        try:
+            row.seq.sample(logits)
+        except Exception as exc:  # the row's own sampling (e.g. a grammar that cannot continue): its job fails
+            logger.exception("sampling a row failed")
+            self._fail(row.group, exc)
+            return
         row.emit_delta()
 
-    def _end(self, row: _Row, error: Exception | None = None) -> None:
-        """Commit the row's confirmed K/V, hand its reply (or error) to the job, release its accounting."""
+    def _fail(self, group: JobRows, error: Exception) -> None:
+        """Fail ``group``'s job: its running rows are cancelled (ended at the end of the step), pending ones dropped."""
+        group.fail(error)
+        self._drop_pending(group)
+
+    def _drop_pending(self, group: JobRows) -> None:
+        """Forget ``group``'s rows not started yet; its job ends here when no row of it runs."""
+        group.drop_pending()
+        if group in self._partial:
+            self._partial.remove(group)
+        if group.open == 0:
+            self._finish(group)
+
+    def _end(self, row: BatchRow, error: Exception | None = None) -> None:
+        """Commit the row's confirmed K/V, release its accounting; the job's result once its last row ended."""
         if row in self._rows:
             self._rows.remove(row)
         try:
@@ -245,10 +273,19 @@ class BatchingQueue:
             logger.exception("storing a finished request's K/V failed")
         finally:
             row.resources.close()
-            row.job.finished_at = time.perf_counter()
-            self.completed += 1
+        group = row.group
         if error is not None:
-            row.job.emit("error", error)
-            return
-        row.emit_delta(final=True)
-        row.job.emit("done", row.reply())
+            self._fail(group, error)
+        elif group.error is None:
+            row.emit_delta(final=True)
+        if group.row_ended(row):
+            self._finish(group)
+
+    def _finish(self, group: JobRows) -> None:
+        if not group.finished:
+            self._job_ended(group.job)
+            group.finish()
+
+    def _job_ended(self, job: Job) -> None:
+        job.finished_at = time.perf_counter()
+        self.completed += 1

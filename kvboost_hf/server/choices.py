@@ -1,22 +1,26 @@
 """Several generations for one request: ``n``, ``best_of`` and list prompts on ``/v1/completions``.
 
-Each generation is one ``generate_reply`` call through the ordinary path (reuse included: the
-choices of one prompt share its prefix, so after the first the prompt comes from the store).
-They run one after another on the request's worker today; with the batching scheduler they
-become rows of the batch. ``best_of`` keeps the ``n`` candidates with the highest cumulative
-logprob (OpenAI's rule); choice ``index`` is ``prompt_index * n + rank``.
+With the batch scheduler every generation is a row of the batch (:func:`rows_request`): the
+rows of one request run side by side with everyone else's, each with its own seed, logits
+processors and logprobs, and stream as ``(index, piece)``. What rows cannot do (prompt scoring
+for ``echo`` with logprobs, ``max_tokens`` 0, a quantized-K/V plan; see :func:`runs_as_rows`)
+and the worker scheduler use :func:`run_choices`: one ``generate_reply`` call per generation,
+one after another (reuse included: after the first, a prompt's choices find it in the store).
+Either way ``best_of`` keeps the ``n`` candidates with the highest cumulative logprob (OpenAI's
+rule) and choice ``index`` is ``prompt_index * n + rank``; candidate ``c`` of a seeded request
+uses ``seed + c``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from .admission import Admitted
+from .batch_rows import RowRequest, RowsRequest
 from .generation import Reply, SamplingParams
 from .logprobs import TokenLogprob
-from .scheduler import Job
 
 
 @dataclass
@@ -46,6 +50,22 @@ class Choice:
 GenerateOne = Callable[[PromptPlan, int, int], Reply]
 
 
+def candidate_params(params: SamplingParams, candidate: int) -> SamplingParams:
+    """The settings of candidate ``candidate``: ``seed + candidate`` when seeded (candidate 0: the ``n = 1`` reply)."""
+    if candidate == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + candidate)
+
+
+def kept_choices(number: int, plan: PromptPlan, replies: list[Reply],
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> list[Choice]:
+    """The choices prompt ``number`` keeps of its candidates' ``replies`` (in candidate order): all of
+    them, or with ``best_of`` the ``plan.keep`` with the highest cumulative logprob (ties: candidate order)."""
+    if plan.candidates > plan.keep:
+        replies = sorted(replies, key=lambda r: r.cumulative_logprob, reverse=True)[: plan.keep]
+    return [Choice(number * plan.keep + rank, plan, reply, prompt_logprobs) for rank, reply in enumerate(replies)]
+
+
 def run_choices(plans: list[PromptPlan], generate: GenerateOne, cancelled: Callable[[], bool],
                 prompt_logprobs: Callable[[list[int]], list[TokenLogprob]] | None = None) -> list[Choice]:
     """Generate every candidate of every plan in order and keep the best ``keep`` of each plan."""
@@ -56,10 +76,8 @@ def run_choices(plans: list[PromptPlan], generate: GenerateOne, cancelled: Calla
             if cancelled():
                 break
             replies.append(generate(plan, number * plan.keep + candidate, candidate))
-        if plan.candidates > plan.keep:
-            replies = sorted(replies, key=lambda r: r.cumulative_logprob, reverse=True)[: plan.keep]
         echoed = prompt_logprobs(plan.prompt_ids) if prompt_logprobs is not None and not cancelled() else None
-        choices.extend(Choice(number * plan.keep + rank, plan, reply, echoed) for rank, reply in enumerate(replies))
+        choices.extend(kept_choices(number, plan, replies, echoed))
     return choices
 
 
@@ -69,28 +87,33 @@ def empty_reply(prompt_tokens: int) -> Reply:
                  token_ids=[], logprobs=[])
 
 
-def row_compatible(plan: PromptPlan, params: SamplingParams, tools: list[dict] | None, echo_logprobs: bool) -> bool:
-    """Whether the batch scheduler can run this prompt as one row: one candidate, no logits processors
-    (grammar, penalties, logit_bias), no logprobs or echo, no tools, no quantized-K/V plan.
+def runs_as_rows(plans: list[PromptPlan], params: SamplingParams, echo_logprobs: bool) -> bool:
+    """Whether the batch scheduler runs this request's generations as rows of the batch: anything but
+    prompt scoring (``echo`` with logprobs), ``max_tokens`` 0, or a prompt planned on quantized K/V.
 
-    Anything else runs whole through ``generate_reply`` on the scheduler's thread, between steps.
+    Those run whole through :func:`run_choices` on the scheduler's thread, between steps: prompt
+    scoring and a quantized cache are ``generate_reply`` / ``prompt_logprobs`` paths the batched
+    forward does not have, and ``max_tokens`` 0 generates nothing.
     """
-    plan_kv_bits = plan.admitted.plan.kv_bits if plan.admitted.plan is not None else None
-    return (plan.candidates == 1 and params.processors is None and params.logprobs is None and not tools
-            and not echo_logprobs and params.max_tokens > 0 and plan_kv_bits is None)
+    quantized = any(p.admitted.plan is not None and p.admitted.plan.kv_bits is not None for p in plans)
+    return not echo_logprobs and params.max_tokens > 0 and not quantized
 
 
-class RowJob(Job):
-    """A one-choice job run as a batch row: its row events take the shape the routes expect of choices
-    (``delta`` as ``(0, piece)``, ``done`` as ``[Choice]``)."""
+def rows_request(plans: list[PromptPlan], params: SamplingParams, stream: bool) -> RowsRequest:
+    """One row per candidate of every plan (streaming its deltas with ``index`` ``number * keep + candidate``,
+    as :func:`run_choices` does); the job's result is the kept choices, ordered as :func:`run_choices` orders them."""
+    rows, owners = [], []
+    for number, plan in enumerate(plans):
+        for candidate in range(plan.candidates):
+            rows.append(RowRequest(plan.prompt_ids, candidate_params(params, candidate), stream, plan.admitted,
+                                   index=number * plan.keep + candidate))
+            owners.append(number)
 
-    def __init__(self, work: Callable[[Job], Any], plan: PromptPlan) -> None:
-        super().__init__(work)
-        self.plan = plan
+    def result(replies: list[Reply | None]) -> list[Choice]:
+        choices: list[Choice] = []
+        for number, plan in enumerate(plans):
+            mine = [r for r, owner in zip(replies, owners) if owner == number and r is not None]
+            choices.extend(kept_choices(number, plan, mine))
+        return choices
 
-    def emit(self, kind: str, value: Any = None) -> None:
-        if kind == "delta" and isinstance(value, str):
-            value = (0, value)
-        elif kind == "done" and isinstance(value, Reply):
-            value = [Choice(0, self.plan, value)]
-        super().emit(kind, value)
+    return RowsRequest(rows, result)

@@ -35,7 +35,7 @@ class Job:
 
     def __init__(self, work: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.work = work
-        self.request: Any = None  # what the batch scheduler runs (a RowRequest); the worker scheduler runs work
+        self.request: Any = None  # what the batch scheduler runs (a RowsRequest); the worker scheduler runs work
         self.cancelled = threading.Event()
         self.events: asyncio.Queue = asyncio.Queue()
         self.enqueued_at = time.perf_counter()

@@ -58,3 +58,56 @@ def test_top_p_keeps_only_the_nucleus():
 def test_bad_sampling_settings_name_the_setting(kwargs, name):
     with pytest.raises(ValueError, match=name):
         RowSampling(**kwargs)
+
+
+class _Recorder:
+    """A logits processor that records what it is given and then adds ``bias`` to token ``token``."""
+
+    def __init__(self, token: int = 0, bias: float = 0.0) -> None:
+        self.token, self.bias = token, bias
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, input_ids, scores):
+        self.seen.append((input_ids.clone(), scores.clone()))
+        scores = scores.clone()
+        scores[:, self.token] += self.bias
+        return scores
+
+
+def test_processors_see_the_raw_logits_before_temperature_and_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    first, second = _Recorder(token=3, bias=10.0), _Recorder()
+    sampling = RowSampling(temperature=0.25, top_p=0.5, seed=0, processors=[first, second])
+    ids = torch.tensor([5, 6, 7])
+    token = next_token(logits, sampling, ids)
+    assert torch.equal(first.seen[0][1], logits.reshape(1, -1))  # raw: not divided by the temperature
+    assert torch.equal(first.seen[0][0], ids.reshape(1, -1))  # the row's ids, [1, L]
+    assert torch.equal(second.seen[0][1][0, :3], logits[:3]) and second.seen[0][1][0, 3] == 9.0  # in list order
+    # The bias made token 3 the nucleus on its own: top-p ran after the processors.
+    assert token == 3 and {next_token(logits, sampling, ids) for _ in range(20)} == {3}
+
+
+def test_greedy_rows_take_the_argmax_after_their_processors():
+    logits = torch.tensor([3.0, 1.0, 0.0])
+    assert next_token(logits, RowSampling(temperature=0, processors=[_Recorder(token=2, bias=5.0)]),
+                      torch.tensor([1])) == 2
+    with pytest.raises(ValueError, match="input_ids"):
+        next_token(logits, RowSampling(temperature=0, processors=[_Recorder()]))
+
+
+def test_a_sequence_feeds_its_processors_its_tokens_and_records_raw_logprobs():
+    from kvboost_hf.batching import Sequence
+
+    recorder = _Recorder(token=4, bias=50.0)
+    seq = Sequence([1, 2, 3], max_tokens=3, sampling=RowSampling(temperature=0, processors=[recorder]),
+                   eos_ids=[], logprobs=2)
+    logits = torch.tensor([0.0, 2.0, 1.0, 0.5, -1.0, 0.25])
+    for _ in range(2):
+        seq.sample(logits)
+    assert seq.generated == [4, 4]  # the processor's choice...
+    assert [row[0].tolist() for row, _ in recorder.seen] == [[1, 2, 3], [1, 2, 3, 4]]
+    raw = torch.log_softmax(logits, dim=-1)
+    entry = seq.logprobs[0]  # ... but the model's own logprob, before the processor
+    assert entry.token_id == 4 and abs(entry.logprob - raw[4].item()) < 1e-6
+    assert [i for i, _ in entry.top] == [1, 2] and abs(entry.top[0][1] - raw[1].item()) < 1e-6
+    assert len(seq.logprobs) == len(seq.generated)
