@@ -86,9 +86,15 @@ class MemoryAdmission:
         with self._lock:
             return sum(self._in_flight.values())
 
-    def admit(self, prompt_ids: list[int], max_new_tokens: int) -> Admitted:
-        """The plan for this request; APIError 413 (with the planner's figures) when nothing fits."""
-        batch = self.batch_kv_bytes()
+    def admit(self, prompt_ids: list[int], max_new_tokens: int, copies: int = 1, alongside: int = 0) -> Admitted:
+        """The plan for this request; APIError 413 (with the planner's figures) when nothing fits.
+
+        ``copies`` generations of this prompt run at once (``n``, ``best_of``: each holds its own
+        K/V), beside ``alongside`` bytes of K/V of the same request's other prompts: both count as
+        running K/V when planning it.
+        """
+        siblings = (copies - 1) * self.planner.kv_bytes(len(prompt_ids) + max_new_tokens, None)
+        batch = self.batch_kv_bytes() + alongside + siblings
         plan = self.planner.plan(len(prompt_ids), max_new_tokens, batch_kv_bytes=batch)
         if plan.fits:
             return Admitted(prompt_ids, plan)
@@ -107,6 +113,11 @@ class MemoryAdmission:
             f"{plan.free_bytes / MIB:,.0f} MiB are free for requests: {what} (or retry when fewer requests run)",
             param="messages/prompt", code="request_too_large", details=plan.error_payload(),
         )
+
+    def kv_bytes(self, admitted: Admitted) -> int:
+        """K/V bytes one generation of ``admitted`` holds at its end."""
+        plan = admitted.plan
+        return self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens, plan.kv_bits) if plan else 0
 
     @contextmanager
     def in_batch(self, admitted: Admitted):

@@ -3,8 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
 ``GET /v1/models``, ``POST /v1/warm``, ``GET /v1/stats``, ``GET /health``, ``GET /metrics``, and
 vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``.
-Every request is checked (parameters, prompt length) before it is queued; generation runs on
-the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`.
+Every request is checked (parameters, prompt length) before it is queued; generation runs as
+rows of the continuous batch (:class:`~kvboost_hf.server.batch_queue.BatchingQueue`, the CLI's
+default) or on the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`
+(``--scheduler workers``).
 """
 
 from __future__ import annotations
@@ -339,8 +341,9 @@ class _Service:
             prompt_ids = await self.completion_prompt(prompt)
             self.check_prompt_length(len(prompt_ids))
             params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-            admitted = self.admit(prompt_ids, max(params.max_tokens, 1))
-            plans.append(PromptPlan(admitted, body.best_of or body.n, body.n))
+            candidates = body.best_of or body.n
+            admitted = self.admit(prompt_ids, max(params.max_tokens, 1), candidates, [p.admitted for p in plans])
+            plans.append(PromptPlan(admitted, candidates, body.n))
             if body.echo:
                 same = admitted.truncated_from is None and isinstance(prompt, str)
                 echoes.append(prompt if same else self.tokenizer.decode(admitted.prompt_ids))
@@ -367,7 +370,7 @@ class _Service:
         params.processors = await self.processors(body, schema, "tools" if forced else "response_format")
         if body.logprobs:
             params.logprobs = body.top_logprobs or 0
-        admitted = self.admit(prompt_ids, params.max_tokens)
+        admitted = self.admit(prompt_ids, params.max_tokens, body.n)
         plans = [PromptPlan(admitted, body.n, body.n)]
         return await self.generate(request, "/v1/chat/completions", plans, params, body, chat=True,
                                    tools=tools or None)
@@ -403,11 +406,14 @@ class _Service:
                 "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
 
 
-    def admit(self, prompt_ids: list[int], max_tokens: int) -> Admitted:
-        """The memory planner's decision (413 when nothing fits); everything is admitted when planning is off."""
+    def admit(self, prompt_ids: list[int], max_tokens: int, copies: int = 1, alongside: list[Admitted] = ()) -> Admitted:
+        """The memory planner's decision (413 when nothing fits) for ``copies`` generations of the prompt
+        beside the request's ``alongside`` prompts (each with its own copies); everything is admitted
+        when planning is off."""
         if self.admission is None:
             return Admitted(prompt_ids, None)
-        return self.admission.admit(prompt_ids, max_tokens)
+        held = sum(self.admission.kv_bytes(a) for a in alongside) * copies
+        return self.admission.admit(prompt_ids, max_tokens, copies=copies, alongside=held)
 
 
     async def generate(self, request: Request, route: str, plans: list[PromptPlan], params: SamplingParams,

@@ -117,3 +117,24 @@ def test_kv_bits_fallback_serves_what_no_exact_rung_fits_and_says_so(planned_ser
             **({} if plan.prefill_chunk_size is None else {"prefill_chunk_size": plan.prefill_chunk_size}))
     text = planned_server.tokenizer.decode(ref[0, len(ids):], skip_special_tokens=True)
     assert response.json()["choices"][0]["text"] == text
+
+
+def test_several_candidates_are_planned_together(planned_server):
+    """``n`` generations hold ``n`` K/V: a request that fits once can be refused three times over."""
+    prompt, new = list(range(5, 25)), 400
+    shape = ModelShape.from_config(planned_server.model.config, dtype="float32")
+    roomy = MemoryPlanner(shape, 2**34, margin=0.0)
+    kv = roomy.kv_bytes(len(prompt) + new, None)
+    free = roomy.plan(len(prompt), new).predicted_peak_bytes + kv * 3 // 2
+    admission = tight(planned_server, free_bytes=free)
+    assert admission.planner.plan(len(prompt), new).fits
+    assert not admission.planner.plan(len(prompt), new, batch_kv_bytes=2 * kv).fits
+    url = f"{planned_server.base_url}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": new, "temperature": 0}
+    assert httpx.post(url, timeout=120, json=body).status_code == 200
+    for extra in ({"n": 3, "temperature": 1.0, "seed": 1}, {"best_of": 3}):
+        refused = httpx.post(url, timeout=30, json={**body, **extra})
+        assert refused.status_code == 413, extra
+        assert refused.json()["error"]["code"] == "request_too_large"
+    two_prompts = httpx.post(url, timeout=30, json={**body, "prompt": [prompt, prompt[::-1], prompt[1:]]})
+    assert two_prompts.status_code == 413  # three prompts of one request hold three K/V too
