@@ -76,7 +76,8 @@ def next_token(logits: torch.Tensor, sampling: RowSampling, input_ids: torch.Ten
     if sampling.greedy:
         return int(scores.argmax(dim=-1))
     scores = sampling.warpers(ids, scores)
-    probs = torch.softmax(scores, dim=-1)
+    # The row's generator lives on the CPU: draw there (one row of probabilities), whatever the model's device.
+    probs = torch.softmax(scores, dim=-1).cpu()
     return int(torch.multinomial(probs, num_samples=1, generator=sampling.generator))
 
 
