@@ -1,16 +1,17 @@
 """Continuous batching in the server (``--scheduler batch``) vs the worker scheduler vs transformers'
 ``generate_batch``, on the embedded Gemma-3-270M (float32, CPU), greedy, one process.
 
-Parts (``--part``, default ``all``):
-
 Clients are ``openai`` SDK streaming clients in a process of their own (``_clients.py``), as real
 clients are; the server runs in this process.
+
+Parts (``--part``, default ``all``):
 
 - ``load``: for each of ``--clients`` (1, 8, 16, 32 concurrent streaming SDK clients, loopback),
   a fresh real server per scheduler (``batch``, ``workers``) and an untimed warm-up, then
   ``--requests-per-client`` requests per client: the shared system prompt plus a distinct
   question, 32-64 new tokens (``ignore_eos``). Figures: req/s, completion tok/s, TTFT p50/p95,
-  inter-token p50/p95 (gaps between streamed chunks), cached / prompt tokens. transformers'
+  inter-token p50/p95 (gaps between streamed chunks), cached / prompt tokens; ``--repeats``
+  interleaved rounds (default 3), the round with the median tok/s reported. transformers'
   continuous batching (``init_continuous_batching``, paged cache, block sharing; no HTTP, no
   store) runs the same requests with the same number in flight.
 - ``admission``: ``--admission-streams`` streams decode while one ``--long-prompt``-token prompt
@@ -148,21 +149,29 @@ def generate_batch_load(model, tokenizer, clients: int, requests: int, low: int,
             "wall_s": wall, "cpu_pressure": cpu_pressure()}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tok/s (its other figures kept with it), and every run's tok/s."""
+    ranked = sorted(runs, key=lambda r: r["completion_tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [r["completion_tokens_per_s"] for r in runs]}
+
+
 def load_part(model, tokenizer, args) -> dict:
+    """Per client count, ``--repeats`` interleaved rounds of every scheduler; the median round of each."""
     out: dict[str, dict] = {}
     for clients in args.clients:
         requests = max(clients * args.requests_per_client, args.min_requests)
-        row = {}
-        for name in (*SCHEDULERS, "generate_batch"):
-            if name == "generate_batch":
-                row[name] = generate_batch_load(model, tokenizer, clients, requests, args.min_new, args.max_new)
-            else:
-                row[name] = server_load(model, tokenizer, name, clients, requests, args.min_new, args.max_new)
-            r = row[name]
-            print(f"{clients:>3} clients {name:>14}: {r['requests_per_s']:.3f} req/s, "
-                  f"{r['completion_tokens_per_s']:.2f} tok/s, TTFT p50 {r['ttft']['p50_s']:.2f}s, "
-                  f"ITL p95 {r['inter_token']['p95_s']:.3f}s (cpu pressure {r['cpu_pressure']})", flush=True)
-        out[str(clients)] = row
+        runs: dict[str, list] = {name: [] for name in (*SCHEDULERS, "generate_batch")}
+        for _ in range(args.repeats):
+            for name in runs:
+                if name == "generate_batch":
+                    r = generate_batch_load(model, tokenizer, clients, requests, args.min_new, args.max_new)
+                else:
+                    r = server_load(model, tokenizer, name, clients, requests, args.min_new, args.max_new)
+                runs[name].append(r)
+                print(f"{clients:>3} clients {name:>14}: {r['requests_per_s']:.3f} req/s, "
+                      f"{r['completion_tokens_per_s']:.2f} tok/s, TTFT p50 {r['ttft']['p50_s']:.2f}s, "
+                      f"ITL p95 {r['inter_token']['p95_s']:.3f}s (cpu pressure {r['cpu_pressure']})", flush=True)
+        out[str(clients)] = {name: median_run(r) for name, r in runs.items()}
     return out
 
 
@@ -320,6 +329,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, figures meaningless")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every scheduler per client count (median)")
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--min-new", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=64)
@@ -333,7 +343,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.quick:
-        args.clients, args.requests_per_client, args.min_requests = [1, 4], 1, 4
+        args.clients, args.requests_per_client, args.min_requests, args.repeats = [1, 4], 1, 4, 1
         args.min_new, args.max_new, args.long_prompt, args.admission_streams = 4, 8, 300, 2
         args.stream_tokens, args.mechanism_batches, args.context, args.steps, args.rounds = 40, [1, 2], 64, 2, 1
         args.admit_chunk = 8
@@ -356,6 +366,16 @@ def main() -> None:
         path = folder / "server_batching.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
     else:
+        earlier = DOCS_BENCH / "server_batching.json"
+        if args.part != "all" and earlier.exists():  # a partial run replaces its own parts only
+            import json
+
+            kept = json.loads(earlier.read_text())
+            parts = {"mechanism", "load", "admission"} - set(result)
+            result = {**result, **{k: kept[k] for k in parts if k in kept},
+                      "parts_measured_at": {**kept.get("parts_measured_at", {}),
+                                            **{k: result["measured_at"] for k in set(result) & {"mechanism", "load",
+                                                                                                "admission"}}}}
         folder, path = DOCS_BENCH, write_json("server_batching.json", result)
     if "load" in result:
         plot(result, folder / "server_batching.png")

@@ -198,7 +198,7 @@ def merged(earlier: dict, partial: dict) -> dict:
         old = out["workloads"].get(workload, {"identical": True, "mismatches": [], "variants": {}})
         variants = dict(old["variants"])
         for name, v in res["variants"].items():
-            if name != "plain":
+            if name != "plain" or name not in variants:  # a workload new to the file keeps its plain row
                 variants[name] = {**v, "rerun": True}
         out["workloads"][workload] = {"identical": old["identical"] and res["identical"],
                                       "mismatches": old["mismatches"] + res["mismatches"], "variants": variants}
