@@ -1,0 +1,366 @@
+"""The request handling behind the server's routes: validation, planning, queueing, waiting and
+response shapes (:class:`Service`); the routes themselves are in :mod:`.app`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..planner.memory import MemoryPlanner
+from ..warm import warm
+from . import schemas
+from .admission import Admitted, MemoryAdmission, plan_headers
+from .choices import Choice, PromptPlan, candidate_params, empty_reply, rows_request, run_choices, runs_as_rows
+from .errors import APIError
+from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
+from .logprobs import prompt_logprobs
+from .metrics import ServerMetrics
+from .processors import request_processors
+from .responses import ChunkWriter, chat_choice, completion_choice, usage_of
+from .scheduler import Job, QueueFullError
+from .settings import ServerSettings
+from .sse import sse_events
+from .streaming_metrics import streaming_snapshot
+from .structured import GrammarCompilers, response_format_schema
+from .tools import call_schema, plain_turns, template_renders_tools, with_tools_system
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+_POLL_S = 0.25  # how often a waiting non-streaming request checks for a disconnected client
+
+
+def context_length(model) -> int | None:
+    """The model's context (``max_position_embeddings``), or None when the config has none."""
+    config = model.config.get_text_config(decoder=True)
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+class Service:
+    """The request handling behind the routes (validation, queueing, waiting, response shapes)."""
+
+    def __init__(self, model, tokenizer, store, settings: ServerSettings, queue,
+                 metrics: ServerMetrics) -> None:
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.settings, self.queue, self.metrics = settings, queue, metrics
+        self.context = context_length(model)
+        self.eos_ids = stop_token_ids(model, tokenizer)
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        self.grammars = GrammarCompilers()
+        self.created = int(time.time())
+        limits = [v for v in (self.context, settings.max_prompt_tokens) if v is not None]
+        self.prompt_limit = min(limits) if limits else None
+        self.admission: MemoryAdmission | None = None
+        if settings.plan_memory:
+            planner = MemoryPlanner.for_model(model, settings.memory_limit, reuse=settings.reuse,
+                                              kv_bits_options=settings.kv_bits_fallback)
+            self.admission = MemoryAdmission(planner, settings.auto_truncate, next(model.parameters()).device.type)
+
+    # ------------------------------------------------------------------ small pieces
+    def model_card(self) -> schemas.ModelCard:
+        return schemas.ModelCard(id=self.settings.model_name, created=self.created, max_model_len=self.context)
+
+    def check_model_name(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise APIError(404, f"model '{name}' is not served here; this server serves '{self.settings.model_name}'",
+                           param="model", code="model_not_found")
+
+    def stats(self) -> dict:
+        return {
+            "model": self.settings.model_name,
+            "reuse_enabled": self.settings.reuse,
+            "store": self.store.stats(),
+            "queue": {"waiting": self.queue.waiting, "running": self.queue.running, "depth": self.queue.depth,
+                      "max_queue": self.queue.max_queue, "workers": self.queue.workers,
+                      "scheduler": self.settings.scheduler},
+            **({"batching": self.queue.stats()} if hasattr(self.queue, "stats") else {}),
+            **self.metrics.snapshot(),
+            **({"streaming": streaming} if (streaming := streaming_snapshot(self.model)) is not None else {}),
+            **({"memory": self.admission.stats()} if self.admission is not None else {}),
+        }
+
+    def check_prompt_length(self, n: int) -> None:
+        """400 for an empty prompt; 413 when ``n`` prompt tokens exceed the model's context or ``--max-prompt-tokens``."""
+        if n == 0:
+            raise APIError(400, "the prompt is empty (0 tokens)", param="messages/prompt", code="empty_prompt")
+        if self.prompt_limit is not None and n > self.prompt_limit:
+            which = (
+                "--max-prompt-tokens"
+                if self.settings.max_prompt_tokens == self.prompt_limit
+                else "the model's context (max_position_embeddings)"
+            )
+            raise APIError(
+                413,
+                f"the prompt has {n} tokens, more than the limit of {self.prompt_limit} tokens ({which})",
+                param="messages/prompt", code="context_length_exceeded",
+            )
+
+    def sampling(self, body: schemas._SamplingRequest, prompt_tokens: int, default_max: int) -> SamplingParams:
+        room = None if self.context is None else self.context - prompt_tokens
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max if room is None else max(1, min(default_max, room))
+        elif room is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"this model's context is {self.context} tokens; the prompt has {prompt_tokens} and max_tokens asks "
+                f"for {max_tokens} more: lower max_tokens to at most {max(room, 0)}",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=body.stop,
+                              seed=body.seed, ignore_eos=body.ignore_eos)
+
+    def retry_after(self) -> str:
+        mean = self.metrics.snapshot()["latency"]["mean_s"] or 1.0
+        return str(max(1, min(600, math.ceil(mean * (self.queue.waiting + 1)))))
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.queue.submit(job)
+        except QueueFullError as err:
+            self.metrics.observe_outcome("rejected")
+            raise APIError(503, f"server busy: {err}; retry later", code="queue_full",
+                           headers={"Retry-After": self.retry_after()}) from None
+
+    def timeout_error(self) -> APIError:
+        self.metrics.observe_outcome("timed_out")
+        return APIError(504, f"request timed out after {self.settings.request_timeout:g} s (queueing included)",
+                        code="timeout")
+
+    async def next_event(self, job: Job, deadline: float, request: Request | None) -> tuple[str, Any]:
+        """The job's next event; raises TimeoutError past ``deadline``; ("disconnected", None) when the client left."""
+        while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise TimeoutError
+            wait = remaining if request is None else min(remaining, _POLL_S)
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=wait)
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+                if request is not None and await request.is_disconnected():
+                    return "disconnected", None
+
+    # ------------------------------------------------------------------ prompts
+    async def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return (await run_in_threadpool(self.tokenizer, prompt))["input_ids"]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="prompt",
+                           code="invalid_value")
+        return list(prompt)
+
+    async def chat_prompt(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "the tokenizer has no chat template: use /v1/completions", param="messages")
+        dicts = [m.template_dict() for m in messages]
+        extra: dict[str, Any] = {}
+        if template_renders_tools(self.tokenizer):
+            extra = {"tools": tools} if tools else {}
+        else:  # the template knows no tools: tool turns as text, the tool list in the system message
+            if any(d["role"] == "tool" or d.get("tool_calls") for d in dicts):
+                dicts = plain_turns(dicts)
+            if tools:
+                dicts = with_tools_system(dicts, tools)
+        try:
+            encoded = await run_in_threadpool(
+                self.tokenizer.apply_chat_template, dicts, add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=True, **extra,
+            )
+        except Exception as err:  # jinja raise_exception: e.g. roles must alternate
+            raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
+        return list(encoded["input_ids"])
+
+    async def processors(self, body: schemas._SamplingRequest, schema: dict | None, param: str):
+        """The request's per-call logits processor factory (None when it needs none); 400s for bad settings."""
+        return await request_processors(body, schema, param, self.grammars, self.tokenizer, self.vocab_size,
+                                        self.eos_ids)
+
+    # ------------------------------------------------------------------ endpoints
+    async def completion(self, body: schemas.CompletionRequest, request: Request):
+        self.check_model_name(body.model)
+        plans, echoes = [], []
+        for prompt in body.prompt:
+            prompt_ids = await self.completion_prompt(prompt)
+            self.check_prompt_length(len(prompt_ids))
+            params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+            candidates = body.best_of or body.n
+            admitted = self.admit(prompt_ids, max(params.max_tokens, 1), candidates, [p.admitted for p in plans])
+            plans.append(PromptPlan(admitted, candidates, body.n))
+            if body.echo:
+                same = admitted.truncated_from is None and isinstance(prompt, str)
+                echoes.append(prompt if same else self.tokenizer.decode(admitted.prompt_ids))
+        longest = max(len(p.prompt_ids) for p in plans)
+        params = self.sampling(body, longest, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        params.processors = await self.processors(body, None, "prompt")
+        if body.logprobs is not None or (body.best_of or body.n) > body.n:
+            params.logprobs = body.logprobs or 0  # best_of ranks candidates by their logprob
+        echo_logprobs = body.echo and body.logprobs is not None
+        return await self.generate(request, "/v1/completions", plans, params, body, chat=False,
+                                   echoes=echoes or None, echo_logprobs=echo_logprobs)
+
+    async def chat_completion(self, body: schemas.ChatCompletionRequest, request: Request):
+        self.check_model_name(body.model)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+        prompt_ids = await self.chat_prompt(body.messages, tools=tools or None)
+        self.check_prompt_length(len(prompt_ids))
+        params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens)
+        forced, name = body.forced_tool
+        try:
+            schema = call_schema(tools, name) if forced else response_format_schema(body.response_format)
+        except ValueError as err:
+            raise APIError(400, str(err), param="response_format", code="invalid_value") from None
+        params.processors = await self.processors(body, schema, "tools" if forced else "response_format")
+        if body.logprobs:
+            params.logprobs = body.top_logprobs or 0
+        admitted = self.admit(prompt_ids, params.max_tokens, body.n)
+        plans = [PromptPlan(admitted, body.n, body.n)]
+        return await self.generate(request, "/v1/chat/completions", plans, params, body, chat=True,
+                                   tools=tools or None)
+
+    def sse(self, *args) -> AsyncIterator[str]:
+        return sse_events(self, *args)
+
+    async def warm(self, body: schemas.WarmRequest, request: Request) -> dict:
+        if not self.settings.reuse:
+            raise APIError(400, "reuse is off on this server: warming would have no effect", code="reuse_disabled")
+        if body.text is not None:
+            source: Any = body.text
+            n = len((await run_in_threadpool(self.tokenizer, body.text))["input_ids"])
+        else:
+            source = await self.chat_prompt(body.messages, add_generation_prompt=False)
+            n = len(source)
+        self.check_prompt_length(n)
+        arrival = time.perf_counter()
+        job = Job(lambda job: warm(self.model, source, self.store, tokenizer=self.tokenizer, pin=body.pin))
+        self.submit(job)
+        deadline = arrival + self.settings.request_timeout
+        try:
+            while True:
+                kind, value = await self.next_event(job, deadline, None)
+                if kind == "done":
+                    break
+                if kind == "error":
+                    raise APIError(500, f"warming failed: {value}", type="server_error")
+        except TimeoutError:
+            job.cancel()
+            raise self.timeout_error() from None
+        return {"object": "warm", "prompt_tokens": value.prompt_tokens, "reused_tokens": value.reused_tokens,
+                "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
+
+
+    def admit(self, prompt_ids: list[int], max_tokens: int, copies: int = 1, alongside: list[Admitted] = ()) -> Admitted:
+        """The memory planner's decision (413 when nothing fits) for ``copies`` generations of the prompt
+        beside the request's ``alongside`` prompts (each with its own copies); everything is admitted
+        when planning is off."""
+        if self.admission is None:
+            return Admitted(prompt_ids, None)
+        held = sum(self.admission.kv_bytes(a) for a in alongside) * copies
+        return self.admission.admit(prompt_ids, max_tokens, copies=copies, alongside=held)
+
+
+    async def generate(self, request: Request, route: str, plans: list[PromptPlan], params: SamplingParams,
+                       body: schemas._SamplingRequest, chat: bool, tools: list[dict] | None = None,
+                       echoes: list[str] | None = None, echo_logprobs: bool = False):
+        arrival = time.perf_counter()
+        deadline = arrival + self.settings.request_timeout
+        stream = bool(body.stream)
+        headers = plan_headers([p.admitted for p in plans])
+        stream_text = stream and not tools  # a reply that may turn out to be a tool call is sent whole
+
+        def work(job: Job) -> list[Choice]:
+            def one(plan: PromptPlan, index: int, candidate: int) -> Reply:
+                if params.max_tokens == 0:
+                    return empty_reply(len(plan.prompt_ids))
+                seeded = candidate_params(params, candidate)
+                with self.admission.running(plan.admitted) if self.admission else contextlib.nullcontext():
+                    return generate_reply(
+                        self.model, self.tokenizer, plan.prompt_ids, seeded, self.eos_ids,
+                        store=self.store if self.settings.reuse else None, cancelled=job.cancelled.is_set,
+                        on_delta=(lambda piece: job.emit("delta", (index, piece))) if stream_text else None,
+                        generate_kwargs=plan.admitted.plan.generate_kwargs if plan.admitted.plan else None,
+                    )
+
+            store = self.store if self.settings.reuse else None
+            top = params.logprobs or 0
+            echo = (lambda ids: prompt_logprobs(self.model, ids, top, store)) if echo_logprobs else None
+            return run_choices(plans, one, job.cancelled.is_set, echo)
+
+        job = Job(work)  # the worker scheduler runs work
+        if runs_as_rows(plans, params, echo_logprobs):  # the batch scheduler runs its generations as rows
+            job.request = rows_request(plans, params, stream_text)
+        # else the batch scheduler runs work whole, between steps
+        self.submit(job)
+        response_id = schemas.new_id("chatcmpl" if chat else "cmpl")
+        try:
+            if stream:
+                # Wait for the worker to pick the job up, so queue timeouts still get a proper 504.
+                kind, value = await self.next_event(job, deadline, request)
+                if kind != "started":
+                    return self._early_end(job, kind, value)
+                writer = ChunkWriter(response_id, schemas.now(), self.settings.model_name, chat,
+                                     bool(body.stream_options and body.stream_options.include_usage))
+                return StreamingResponse(
+                    self.sse(job, route, arrival, deadline, writer, plans, params, tools, echoes),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+                )
+            while True:
+                kind, value = await self.next_event(job, deadline, request)
+                if kind == "done":
+                    break
+                if kind != "started":
+                    return self._early_end(job, kind, value)
+        except TimeoutError:
+            job.cancel()
+            raise self.timeout_error() from None
+        choices: list[Choice] = value
+        for choice in choices:
+            self._record(route, arrival, choice.reply)
+        usage = usage_of(plans, choices)
+        want_logprobs = params.logprobs is not None and (chat or body.logprobs is not None)
+        if chat:
+            payload: Any = schemas.ChatCompletion(
+                id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
+                choices=[chat_choice(self.tokenizer, c, tools, want_logprobs) for c in choices],
+            )
+        else:
+            payload = schemas.Completion(
+                id=response_id, created=schemas.now(), model=self.settings.model_name, usage=usage,
+                choices=[completion_choice(self.tokenizer, c, echoes[c.index // c.plan.keep] if echoes else None,
+                                           want_logprobs) for c in choices],
+            )
+        return JSONResponse(payload.model_dump(mode="json"), headers=headers) if headers else payload
+
+    def _early_end(self, job: Job, kind: str, value: Any) -> Response:
+        """A job that ended before producing a reply: failed, skipped, or its client left."""
+        job.cancel()
+        if kind == "error":
+            self.metrics.observe_outcome("failed")
+            raise APIError(500, f"generation failed: {type(value).__name__}: {value}", type="server_error")
+        self.metrics.observe_outcome("cancelled")
+        return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
+                                       "code": "cancelled"}}, status_code=499)
+
+
+    def _record(self, route: str, arrival: float, reply: Reply) -> None:
+        if reply.finish_reason is None:
+            self.metrics.observe_outcome("cancelled")
+            return
+        self.metrics.observe_outcome("completed")
+        ttft = None if reply.first_token_at is None else reply.first_token_at - arrival
+        self.metrics.observe_generation(route, ttft, time.perf_counter() - arrival, reply.prompt_tokens,
+                                        reply.cached_tokens, reply.completion_tokens)
