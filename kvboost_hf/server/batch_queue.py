@@ -263,9 +263,8 @@ class BatchingQueue:
             self._finish(group)
 
     def _end(self, row: BatchRow, error: Exception | None = None) -> None:
-        """Commit the row's confirmed K/V, release its accounting; the job's result once its last row ended."""
-        if row in self._rows:
-            self._rows.remove(row)
+        """Commit the row's confirmed K/V, release its accounting; the job's result once its last row ended.
+        The row leaves ``running`` only after its accounting is released, so an idle queue holds none."""
         try:
             if error is None:
                 self.runner.finish(row.seq)
@@ -273,6 +272,8 @@ class BatchingQueue:
             logger.exception("storing a finished request's K/V failed")
         finally:
             row.resources.close()
+            if row in self._rows:
+                self._rows.remove(row)
         group = row.group
         if error is not None:
             self._fail(group, error)
