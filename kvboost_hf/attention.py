@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "kvboost_sdpa"
+SDPA_IMPLEMENTATIONS = ("sdpa", ATTENTION_NAME)  # stock SDPA, and ours (the same kernel)
 
 
 @dataclass

@@ -101,7 +101,7 @@ def enable_chunk_reuse(
         )
     if getattr(strategy, "name", None) == "cacheblend":
         attn = target.config._attn_implementation
-        if attn not in ("sdpa", attention.ATTENTION_NAME):
+        if attn not in attention.SDPA_IMPLEMENTATIONS:
             raise ValueError(
                 f"recompute_strategy='cacheblend' needs SDPA attention (the model uses {attn!r}): load the model "
                 "with attn_implementation='sdpa', or use recompute_strategy='selective'"

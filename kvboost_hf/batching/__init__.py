@@ -18,7 +18,7 @@ decode forward plus prompt-chunk forwards.
 """
 
 from .packed import PackedRowsCache
-from .rows_cache import PaddedRowsCache, decode_masks, row_masks
+from .rows_cache import PaddedRowsCache, row_masks
 from .runner import BatchRunner
 from .sampling import RawLogprob, RowSampling, next_token, raw_logprob
 from .scheduler import BatchLimits, StepPlan, group_chunks, plan_step
@@ -33,7 +33,6 @@ __all__ = [
     "RowSampling",
     "Sequence",
     "StepPlan",
-    "decode_masks",
     "row_masks",
     "next_token",
     "raw_logprob",

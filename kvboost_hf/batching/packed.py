@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import attention
 
-PACKED_ATTENTION = ("sdpa", attention.ATTENTION_NAME)  # implementations a packed forward runs on
+PACKED_ATTENTION = attention.SDPA_IMPLEMENTATIONS  # implementations a packed forward runs on
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,6 @@ def row_masks(config, rows: list, new: list[int], dtype: torch.dtype, device) ->
     return StepMasks(new, before, {"full_attention": masks[False], "sliding_attention": masks[True]})
 
 
-def decode_masks(config, rows: list, dtype: torch.dtype, device) -> StepMasks:
-    """Masks for a decode step: one new token per row."""
-    return row_masks(config, rows, [1] * len(rows), dtype, device)
-
-
 class PaddedRowsCache:
     """Duck-typed ``Cache`` for one forward over ``rows`` (``[batch, width]`` left-padded input ids).
 

@@ -125,10 +125,9 @@ class MemoryAdmission:
         rows share every forward, so a request's own peak is not observable. Each entry counts on
         its own: the rows of one request (``n``, ``best_of``) enter with the same ``admitted``,
         and each holds its own K/V."""
-        plan = admitted.plan
         key = object()
         with self._lock:
-            self._in_flight[key] = self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens, plan.kv_bits)
+            self._in_flight[key] = self.kv_bytes(admitted)
         try:
             yield
         finally:

@@ -108,7 +108,6 @@ class DraftController:
         self.off_until = -1
         self.backoff = self.settings.backoff_rounds
         self.off_reason = ""
-        self._probing = False
         if memory is not None:
             self.plain_ms.value, self.verify_slope_ms.value = memory.plain_ms, memory.verify_slope_ms
             self.draft_ms_per_token.value = memory.draft_ms_per_token
@@ -133,7 +132,6 @@ class DraftController:
         s = self.settings
         if not s.adaptive:
             return s.max_tokens
-        self._probing = False
         if self.round == 0:
             return 0
         if self.plain_ms.value is None:
@@ -143,7 +141,6 @@ class DraftController:
         if self.round < self.off_until:
             return 0
         if self.off_until >= 0 and self.round == self.off_until:
-            self._probing = True
             return self._afford(s.probe_tokens, None, unseen, remaining)  # one probe round after a back-off
         return self._decide(unseen, remaining)
 
@@ -160,7 +157,7 @@ class DraftController:
         self.off_until = self.round + self.backoff  # ask again after a back-off (not doubled: nothing was tried)
         return 0
 
-    def _decide(self, unseen: int = 0, remaining: int | None = None) -> int:
+    def _decide(self, unseen: int, remaining: int | None) -> int:
         s = self.settings
         plain = self.plain_ms.value
         slope = max(0.0, self.verify_slope_ms.value)
