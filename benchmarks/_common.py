@@ -46,24 +46,10 @@ def write_json(name: str, payload: dict) -> Path:
 
 def serve_in_thread(app, startup_timeout: float = 120.0):
     """Serve ``app`` with uvicorn on a free loopback port in a daemon thread: ``(server, thread, base_url)``."""
-    import socket
-    import threading
-    import time
+    from kvboost_hf.server.background import serve_in_background
 
-    import uvicorn
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + startup_timeout
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}/v1"
+    running = serve_in_background(app, startup_timeout=startup_timeout)
+    return running.server, running.thread, f"{running.url}/v1"
 
 
 def started_continuous_batching(model, config, block_sharing: bool, warm_prompt: list[int]):

@@ -4,18 +4,16 @@ tiny random models with a word-level tokenizer and a small chat template."""
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
 from openai import AsyncOpenAI, OpenAI
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse
 from kvboost_hf.server import ServerSettings, create_app
+from kvboost_hf.server.background import free_port, serve_in_background
 from tests.conftest import make_tiny, make_tiny_tokenizer
 
 # Roles are vocabulary words, so the word-level tokenizer keeps every template token.
@@ -71,32 +69,17 @@ class RunningServer:
             time.sleep(0.01)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(model, tokenizer, store: ChunkStore | None = None, **settings) -> Iterator[RunningServer]:
     """Run the app with uvicorn on 127.0.0.1 in a background thread; stop it and disable reuse after."""
     store = store if store is not None else ChunkStore(max_bytes=50_000_000, chunk_size=16)  # an empty store is falsy
     settings.setdefault("model_name", MODEL_NAME)
     app = create_app(model, tokenizer, store, ServerSettings(**settings))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
+    running = serve_in_background(app, startup_timeout=STARTUP_TIMEOUT_S)
     try:
-        yield RunningServer(app, f"http://127.0.0.1:{port}", store, model, tokenizer)
+        yield RunningServer(app, running.url, store, model, tokenizer)
     finally:
-        server.should_exit = True
-        thread.join(timeout=STARTUP_TIMEOUT_S)
+        running.stop(timeout=STARTUP_TIMEOUT_S)
         disable_chunk_reuse(model)
 
 
