@@ -4,6 +4,7 @@ The assistant's prompt prefill goes through the store like any request (the draf
 own namespace, since its weights differ): the generator's assistant cache is replaced by a
 fresh :class:`~kvboost_hf.ChunkReuseCache` before the first round. At the end of the request
 only the tokens the target confirmed are stored for the draft; rejected candidates never are.
+With the adaptive controller, HF's confidence stop is off: the controller owns the draft length.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from ..cache import ChunkReuseCache
 from ..generate import finish_request
 from ..store.index import common_prefix_length
-from ..state import reuse_state
+from ..state import namespace, reuse_state
+from ..store.keys import UnfingerprintableModel
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +26,16 @@ logger = logging.getLogger(__name__)
 class ModelProposer:
     """Drafts ``k`` tokens with an assistant model through HF's generator (``k = 0``: no draft call)."""
 
-    def __init__(self, inner: AssistedCandidateGenerator, name: str = "model") -> None:
+    def __init__(self, inner: AssistedCandidateGenerator, name: str = "model", owns_length: bool = True) -> None:
         self.name = name
         self.inner = inner
+        if owns_length:
+            # The controller chooses each round's length from measured acceptance and costs. HF's
+            # confidence stop (end a round early when the draft's top probability is under a
+            # threshold) would cut that length short behind the controller's back: with an accurate
+            # draft it stopped rounds at ~2 tokens where 8 were accepted.
+            inner.generation_config.assistant_confidence_threshold = 0.0
+            inner.assistant_generation_config.assistant_confidence_threshold = 0.0
         self.cache: ChunkReuseCache | None = None
         state = reuse_state(inner.assistant_model)
         if state is not None:
@@ -42,10 +51,20 @@ class ModelProposer:
         self.inner.update_candidate_strategy(input_ids, scores, num_matches)
 
     def unseen(self, input_ids: torch.LongTensor) -> int:
-        """Tokens the assistant has no K/V for yet (its whole prompt before its first round)."""
+        """Tokens the assistant must forward before drafting: those it has no K/V for yet, less (before
+        its first round) the prompt prefix the store holds for it, which is loaded, not computed."""
         cache = self.inner.assistant_kwargs.get("past_key_values")
         held = cache.get_seq_length() if cache is not None else 0
+        if held == 0 and self.cache is not None and self.cache.store is not None:
+            held = self._stored_prefix(input_ids)
         return max(0, input_ids.shape[1] - held)
+
+    def _stored_prefix(self, input_ids: torch.LongTensor) -> int:
+        try:
+            key = namespace(self.inner.assistant_model)
+        except UnfingerprintableModel:
+            return 0
+        return self.cache.store.stored_prefix_length(key, input_ids[0].tolist())
 
     def finish(self, sequence: torch.LongTensor) -> ChunkReuseCache | None:
         """Store the draft's K/V of the tokens the target confirmed (a prefix of ``sequence``)."""

@@ -160,7 +160,7 @@ def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, g
     if request is None:
         return generator
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
-        proposer = ModelProposer(generator, request.stats.draft)
+        proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive)
     elif request.kind in LOOKUP_DRAFTS:
         store_index = LazyStoreNgrams(lambda: _store_index(model)) if request.kind == "store" else None
         proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))

@@ -8,7 +8,8 @@ logits, ``-inf`` outside its set, so HF's speculative sampling stays exact.
 
 A streamed AWQ target (:mod:`kvboost_hf.streaming`) gives a resident int4 draft holding the
 checkpoint's own int4 weights (``bits=4`` only); its streamed layers are read from the
-streamer's host source once.
+streamer's host source once. Every int4 draft linear also keeps its codes for a dense bf16 path
+on many-row calls (the draft's prompt prefill and catch-up; see :class:`Int4DraftLinear`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..state import STATE_ATTR
 from ..streaming.loader import RUNTIME_ATTR
 from ..streaming.linear import AWQInt4Linear
 from .head import DraftHead
-from .quantized import quantized_linear
+from .quantized import Int4DraftLinear, quantized_linear
 from .vocab import draft_vocabulary, token_ranking
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,9 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
         raise ValueError("make_draft(vocab=N) needs tokenizer= (token frequencies are counted with it)")
     if vocab is not None and not 1 <= vocab <= config.vocab_size:
         raise ValueError(f"make_draft(vocab=...) must be in 1..{config.vocab_size}, got {vocab!r}")
-    streamed = getattr(model, RUNTIME_ATTR, None)
-    if streamed is not None and bits != 4:
-        raise ValueError("a streamed AWQ model's self-draft uses its own int4 weights: make_draft(bits=4)")
+    runtime = getattr(model, RUNTIME_ATTR, None)
+    if runtime is not None and bits != 4:
+        raise ValueError("an AWQ model's self-draft uses its own int4 weights: make_draft(bits=4)")
     draft = clone_structure(model)
     inner, decoder = _decoder_layers(draft)
     if layers is not None:
@@ -69,12 +70,11 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
         draft.config.num_hidden_layers = layers
         if getattr(draft.config, "layer_types", None) is not None:
             draft.config.layer_types = draft.config.layer_types[:layers]
-    source = getattr(streamed, "source", None)
     for name, module in list(decoder.named_modules()):
         if isinstance(module, nn.Linear):
             _replace(decoder, name, quantized_linear(module.weight, module.bias, bits))
-        elif isinstance(module, AWQInt4Linear) and module.streamed:
-            _replace(decoder, name, _resident_copy(module, source, f"{_layers_name(model)}.{name}"))
+        elif isinstance(module, AWQInt4Linear):
+            _replace(decoder, name, _resident_copy(module, runtime, f"{_layers_name(model)}.{name}"))
     tokens = None
     if vocab is not None:
         ranking = token_ranking(tokenizer, config.vocab_size, texts)
@@ -140,12 +140,20 @@ def _layers_name(model: nn.Module) -> str:
     return next(full for full, module in model.named_modules() if module is layers)
 
 
-def _resident_copy(module: AWQInt4Linear, source, name: str) -> AWQInt4Linear:
-    """A resident AWQInt4Linear with ``module``'s packed weight read from the streamer's host source."""
-    if source is None or name not in source:
-        raise ValueError(f"streamed weight of {name} not found in the model's host source")
-    copy_ = AWQInt4Linear(module.in_features, module.out_features, module.group_size, bias=module.bias is not None)
-    copy_.set_weight(source.tensor(name).clone(), module.int4_scales_zeros)
+def _resident_copy(module: AWQInt4Linear, runtime, name: str) -> Int4DraftLinear:
+    """A resident :class:`Int4DraftLinear` with ``module``'s packed weight (a streamed one read from the
+    streamer's host source) and, for many-row calls, its codes read again from the checkpoint."""
+    packed = module.int4_weight
+    if module.streamed:
+        source = getattr(runtime, "source", None)
+        if source is None or name not in source:
+            raise ValueError(f"streamed weight of {name} not found in the model's host source")
+        packed = source.tensor(name).clone()
+    copy_ = Int4DraftLinear(module.in_features, module.out_features, module.group_size, bias=module.bias is not None)
+    copy_.set_weight(packed, module.int4_scales_zeros)
+    codes = runtime.codes(name) if runtime is not None else None
+    if codes is not None:
+        copy_.set_codes(codes.to(packed.device))
     if module.bias is not None:
         copy_.bias = module.bias
     return copy_

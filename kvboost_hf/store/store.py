@@ -182,6 +182,12 @@ class ChunkStore:
                 "pick a divisor of head_dim (or leave group_size=None)"
             )
 
+    def stored_prefix_length(self, namespace: Key, token_ids: Sequence[int]) -> int:
+        """Leading tokens of ``token_ids`` the local tiers (RAM, disk) know for ``namespace``: an estimate
+        from the index alone (nothing is loaded or verified, no counter moves), for cost decisions."""
+        with self._lock:
+            return sum(used for _, used in self._index.match_path(namespace, tuple(token_ids), self.chunk_size))
+
     def lookup(self, namespace: Key, token_ids: Sequence[int], max_tokens: int | None = None) -> list[ChunkHit]:
         """The longest stored prefix of ``token_ids`` (at most ``max_tokens`` tokens), as chunk hits in order."""
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))

@@ -15,10 +15,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .awq_format import awq_to_codes, scales_and_zeros, to_int4pack
+from .awq_format import awq_to_codes, scales_and_zeros, to_int4pack, unpack_awq
 from .config import StreamingAWQConfig
 from .linear import AWQInt4Linear
 from .source import HostSource, MmapSource, RamSource, cache_key
@@ -93,12 +93,28 @@ def replace_linears(model: nn.Module, config: StreamingAWQConfig, index: dict[st
 class StreamingRuntime:
     """What a streamed model carries: its streamer, stats and a lock serialising forwards."""
 
-    def __init__(self, streamer: LayerStreamer | None, stats: StreamingStats, source: HostSource | None) -> None:
+    def __init__(self, streamer: LayerStreamer | None, stats: StreamingStats, source: HostSource | None,
+                 index: dict[str, str] | None = None) -> None:
         self.streamer = streamer
         self.stats = stats
         self.source = source
+        self.index = index or {}  # checkpoint tensor name -> file, to read a linear's codes again
         self.lock = threading.RLock()
         self._hooks: list = []
+
+    def codes(self, name: str) -> torch.Tensor | None:
+        """The int4 codes ``[out, in]`` of quantized linear ``name``, read again from the checkpoint
+        (None, logged, when the file is gone or does not hold it)."""
+        path = self.index.get(name + ".qweight")
+        if path is None:
+            logger.info("the checkpoint index holds no %s.qweight", name)
+            return None
+        try:
+            with safe_open(path, framework="pt") as f:
+                return unpack_awq(f.get_tensor(name + ".qweight")).t().contiguous()
+        except (OSError, SafetensorError) as err:
+            logger.info("could not read %s.qweight from the checkpoint again (%s)", name, err)
+            return None
 
     def attach(self, model: nn.Module) -> None:
         if self.streamer is not None:
@@ -203,7 +219,7 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         config.residency_mode, stats.streamed_layers, stats.resident_int4_bytes / 1e6,
         stats.streamed_int4_bytes / 1e6, config.host, stats.staging_bytes / 1e6,
     )
-    runtime = StreamingRuntime(streamer, stats, source)
+    runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()
     return runtime

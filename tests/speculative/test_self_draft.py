@@ -142,3 +142,58 @@ def test_streamed_target_needs_bits_4(tmp_path):
         residency_mode="full_stream"), dtype=torch.float32)
     with pytest.raises(ValueError, match="bits=4"):
         make_draft(target, bits=8)
+
+
+def test_int4_draft_linear_many_rows_take_the_dense_path(monkeypatch):
+    """Few rows: torch's int4 kernel; from DENSE_MIN_ROWS rows: the codes dequantized to bf16, the same
+    weight to bf16 rounding (so the draft's prompt prefill and its decoding agree)."""
+    from kvboost_hf.speculative import quantized
+    from kvboost_hf.streaming import linear as linear_module
+
+    torch.manual_seed(1)
+    layer = quantized_linear(torch.randn(64, 256), None, 4)
+    assert isinstance(layer, quantized.Int4DraftLinear) and layer.int4_nibbles.shape == (64, 128)
+    kernel_rows = []
+    real = linear_module.int4_matmul
+
+    def counting(x2, *args):
+        kernel_rows.append(x2.shape[0])
+        return real(x2, *args)
+
+    monkeypatch.setattr(linear_module, "int4_matmul", counting)
+    x = torch.randn(quantized.DENSE_MIN_ROWS, 256)
+    dense = layer(x)
+    per_row = torch.cat([layer(x[i:i + 1]) for i in range(8)])
+    assert kernel_rows == [1] * 8  # the 128-row call never reached the kernel
+    assert (dense[:8] - per_row).norm() / per_row.norm() < 0.01
+    layer(x[: quantized.DENSE_MIN_ROWS - 1])
+    assert kernel_rows[-1] == quantized.DENSE_MIN_ROWS - 1
+
+
+def test_streamed_draft_reads_its_codes_again(tmp_path):
+    """Every int4 linear of a streamed target's draft (resident or streamed layer) gets the checkpoint's
+    codes for its dense path; a checkpoint gone from disk costs only that path."""
+    from kvboost_hf.speculative.quantized import DENSE_MIN_ROWS, Int4DraftLinear
+
+    model = make_tiny("llama", seed=3, num_layers=4)
+    pack_model(model, tmp_path / "ckpt", group_size=32)
+    config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=1, keep_last_k=1)
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=config,
+                                                  dtype=torch.float32).eval()
+    draft = make_draft(target, bits=4)
+    linears = [m for m in draft.model.layers.modules() if isinstance(m, AWQInt4Linear)]
+    assert len(linears) == 4 * 7
+    assert all(isinstance(m, Int4DraftLinear) and m.int4_nibbles is not None for m in linears)
+    for m in linears:
+        x = torch.randn(3, m.in_features, dtype=torch.bfloat16)
+        kernel = m(x).float()
+        dense = (x @ m.dense_weight().T).float()
+        assert (dense - kernel).norm() / kernel.norm() < 0.01
+    for f in (tmp_path / "ckpt").glob("*.safetensors"):
+        f.unlink()
+    blind = make_draft(target, bits=4)
+    kept = [m for m in blind.model.layers.modules() if isinstance(m, Int4DraftLinear)]
+    assert len(kept) == 4 * 7 and all(m.int4_nibbles is None for m in kept)
+    with torch.no_grad():
+        logits = blind(random_ids(DENSE_MIN_ROWS + 8, 4)).logits  # many rows, on the kernel
+    assert torch.isfinite(logits[logits > float("-inf")]).all()

@@ -1,0 +1,108 @@
+"""row_blocked_head: multi-row logits of a tall CPU head in row blocks, only where bitwise identical."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from kvboost_hf.speculative import verify_head
+from kvboost_hf.speculative.verify_head import blocked_linear, block_rows, row_blocked_head
+
+
+class _Holder(nn.Module):
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+
+def _tall_head(bias: bool = False) -> nn.Linear:
+    torch.manual_seed(0)
+    head = nn.Linear(64, verify_head.MIN_VOCAB_ROWS + 320, bias=bias)  # not a multiple of the block
+    head.requires_grad_(False)
+    return head
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_blocked_product_is_the_plain_product(rows, bias):
+    head = _tall_head(bias)
+    x = torch.randn(rows, 64)
+    assert block_rows(64, 4) < head.out_features
+    assert torch.equal(blocked_linear(x, head.weight, head.bias), nn.functional.linear(x, head.weight, head.bias))
+
+
+def test_installed_inside_only_and_same_logits():
+    head = _tall_head()
+    model = _Holder(head)
+    x = torch.randn(1, 6, 64)
+    with torch.no_grad():
+        ref = head(x)
+        with row_blocked_head(model):
+            assert "forward" in head.__dict__
+            with row_blocked_head(model):  # re-entrant: the inner exit keeps it installed
+                pass
+            assert "forward" in head.__dict__
+            first, again = head(x), head(x)  # the first call at 6 rows measures both ways
+        assert "forward" not in head.__dict__
+    assert torch.equal(first, ref) and torch.equal(again, ref)
+    assert (6, torch.float32) in verify_head._choices[head]
+
+
+def test_a_blocked_way_that_differs_is_never_chosen(monkeypatch):
+    """If the blocked product differed in one bit, the plain one is kept for that row count."""
+    head = _tall_head()
+    model = _Holder(head)
+    x = torch.randn(5, 64)
+    calls = []
+
+    def slightly_off(x2, weight, bias):
+        calls.append(x2.shape[0])
+        out = nn.functional.linear(x2, weight, bias)
+        out[0, 0] += 1e-3
+        return out
+
+    monkeypatch.setattr(verify_head, "blocked_linear", slightly_off)
+    with torch.no_grad(), row_blocked_head(model):
+        outs = [head(x) for _ in range(3)]
+    ref = nn.functional.linear(x, head.weight)
+    assert all(torch.equal(o, ref) for o in outs)
+    assert verify_head._choices[head][(5, torch.float32)] is False and calls == [5]  # measured once, then plain
+
+
+def test_other_heads_and_calls_are_left_alone():
+    small = nn.Linear(8, 32)
+    with row_blocked_head(_Holder(small)):
+        assert "forward" not in small.__dict__
+    head = _tall_head()
+    head.weight.requires_grad_(True)
+    with row_blocked_head(_Holder(head)):
+        out = head(torch.randn(4, 64))  # autograd on: plain F.linear, gradients flow
+        out.sum().backward()
+    assert head.weight.grad is not None
+
+
+def test_concurrent_requests_install_once_and_remove_last():
+    head = _tall_head()
+    model = _Holder(head)
+    inside, release = threading.Barrier(3), threading.Event()
+
+    def request():
+        with row_blocked_head(model):
+            inside.wait()
+            release.wait()
+
+    threads = [threading.Thread(target=request) for _ in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    assert "forward" in head.__dict__
+    release.set()
+    for t in threads:
+        t.join()
+    assert "forward" not in head.__dict__
