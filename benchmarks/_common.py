@@ -34,7 +34,20 @@ def environment() -> dict:
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu": cpu_model(),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its vector/matrix extensions that torch's CPU kernels use (Linux)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+    return f"{name} ({', '.join(f for f in wanted if f in flags)})"
 
 
 def write_json(name: str, payload: dict) -> Path:

@@ -208,12 +208,12 @@ def merged(earlier: dict, partial: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'workload':10} {'variant':22} {'tok/s':>7} {'speed-up':>8} {'TTFT x':>7} {'accept':>7} "
+    print(f"\n{'workload':24} {'variant':26} {'tok/s':>7} {'speed-up':>8} {'TTFT x':>7} {'accept':>7} "
           f"{'tok/round':>9} {'spec share':>10} {'mean k':>6} {'off':>4} identical")
     for workload, res in result["workloads"].items():
         for name, v in res["variants"].items():
             f = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)  # noqa: E731
-            print(f"{workload:10} {name:22} {v['decode_tok_s']:7.2f} {v['speedup']:8.2f} {v['ttft_ratio']:7.2f} "
+            print(f"{workload:24} {name:26} {v['decode_tok_s']:7.2f} {v['speedup']:8.2f} {v['ttft_ratio']:7.2f} "
                   f"{f(v['acceptance']):>7} {f(v['tokens_per_round']):>9} {f(v['speculative_round_share']):>10} "
                   f"{f(v['mean_draft_length'], '{:.1f}'):>6} {v['requests_switched_off']:4d} {res['identical']}")
 
@@ -225,8 +225,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     workloads = result["workloads"]
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.6), squeeze=False)
-    for ax, (workload, res) in zip(axes[0], workloads.items()):
+    cols = min(4, len(workloads))
+    rows = -(-len(workloads) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(workloads):]:
+        ax.axis("off")
+    for ax, (workload, res) in zip(axes.flat, workloads.items()):
         names = list(res["variants"])
         values = [res["variants"][n]["speedup"] for n in names]
         ax.bar(range(len(names)), values, color=["#999999"] + ["#3b7dd8"] * (len(names) - 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_hf import ChunkStore, last_request_stats
+from kvboost_hf import last_request_stats
 from kvboost_hf.speculative.lookup import LookupProposer, store_ngrams
 from kvboost_hf.speculative.ngram import LookupSettings, NgramIndex
 from kvboost_hf.state import namespace
