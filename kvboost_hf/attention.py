@@ -5,8 +5,8 @@ that holds every position in order. transformers builds masks from index ranges,
 the real query positions here: ``kvboost_sdpa`` is the stock SDPA kernel registered under its
 own name (``AttentionInterface``) together with a mask function (``AttentionMaskInterface``;
 registering only the attention function leaves the mask ``None`` and SDPA silently truncates
-keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``; outside a packed
-batch forward (:mod:`kvboost_hf.batching.packed`) the attention function is exactly SDPA.
+keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``; outside a routed
+forward (a packed batch, a row-exact verification) the attention function is exactly SDPA.
 """
 
 from __future__ import annotations
@@ -43,21 +43,22 @@ def scattered_queries() -> ScatteredQueries | None:
     return getattr(_local, "queries", None)
 
 
-def set_packed_attention(function) -> None:
-    """Route (or, with None, stop routing) this thread's ``kvboost_sdpa`` calls to ``function``
-    (a packed batch forward: :mod:`kvboost_hf.batching.packed`)."""
-    _local.packed = function
+def set_attention_route(function) -> None:
+    """Route (or, with None, stop routing) this thread's ``kvboost_sdpa`` calls to ``function``: a packed
+    batch forward (:mod:`kvboost_hf.batching.packed`) or a row-exact verification forward
+    (:mod:`kvboost_hf.speculative.exact_rows`)."""
+    _local.route = function
 
 
-def packed_attention():
-    return getattr(_local, "packed", None)
+def attention_route():
+    return getattr(_local, "route", None)
 
 
 def kvboost_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
-    """Stock SDPA, except inside a packed batch forward on this thread."""
-    packed = packed_attention()
-    if packed is not None:
-        return packed(module, query, key, value, attention_mask, **kwargs)
+    """Stock SDPA, except inside a routed forward on this thread."""
+    route = attention_route()
+    if route is not None:
+        return route(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -35,7 +35,7 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
             raise ValueError("kv_bits builds the request's cache (a KIVICache): do not pass past_key_values as well")
         kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
     from .speculative import request as speculation  # noqa: PLC0415 - speculative builds on this module
-    from .speculative.verify_head import row_blocked_head  # noqa: PLC0415
+    from .speculative.exact_rows import verifying  # noqa: PLC0415
 
     spec = speculation.prepare(model, kwargs, inputs) if state is not None else None
     cache = None
@@ -48,7 +48,9 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
         cache.segments = [int(p) for p in segments]
     token = speculation.activate(spec)
     try:
-        with row_blocked_head(model) if spec is not None else contextlib.nullcontext():
+        with verifying(model) if spec is not None else contextlib.nullcontext() as exact:
+            if spec is not None:
+                spec.exact_rows = bool(exact)
             output = original(*args, **kwargs)
     finally:
         speculation.deactivate(token)

@@ -87,13 +87,13 @@ class PackedRowsCache:
 @contextlib.contextmanager
 def packed_forward(cache: PackedRowsCache) -> Iterator[None]:
     """Route this thread's ``kvboost_sdpa`` attention calls to :func:`packed_rows_attention` for ``cache``."""
-    if attention.packed_attention() is not None:
+    if attention.attention_route() is not None:
         raise RuntimeError("a packed forward is already running on this thread")
-    attention.set_packed_attention(lambda *args, **kwargs: packed_rows_attention(cache, *args, **kwargs))
+    attention.set_attention_route(lambda *args, **kwargs: packed_rows_attention(cache, *args, **kwargs))
     try:
         yield
     finally:
-        attention.set_packed_attention(None)
+        attention.set_attention_route(None)
 
 
 def chunk_mask(before: int, new: int, window: int | None, device) -> torch.Tensor:

@@ -3,7 +3,8 @@
 It asks the :class:`DraftController` for a draft length, asks its proposer for that many
 tokens, and measures the draft time (inside ``get_candidates``) and the verify time (from the
 end of ``get_candidates`` to generate's ``update_candidate_strategy`` call: the target forward
-and the acceptance test).
+and the acceptance test). On targets that need it, that forward's attention is routed per row
+(:mod:`.exact_rows`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .controller import DraftController
+from .exact_rows import route_rows
 from .stats import SpeculationStats
 
 
@@ -55,8 +57,9 @@ class MeasuredCandidateGenerator(CandidateGenerator):
     """Drafts through ``proposer`` with lengths chosen by ``controller``; records ``stats``."""
 
     def __init__(self, proposer: Proposer, controller: DraftController | None, stats: SpeculationStats,
-                 max_length: int) -> None:
+                 max_length: int, exact_rows: bool = False) -> None:
         self.proposer, self.controller, self.stats, self.max_length = proposer, controller, stats, max_length
+        self.exact_rows = exact_rows
         self._drafted, self._draft_ms, self._drafted_at, self._unseen = 0, 0.0, 0.0, 0
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
@@ -65,6 +68,9 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         unseen = self.proposer.unseen(input_ids)
         if self.controller is None:
             k = room
+        elif self.exact_rows and self.stats.rounds == 0:
+            k = 0  # a round-0 draft would ride on the prompt prefill, which plain decoding batches
+            self.stats.record_choice(k)
         else:
             k = min(self.controller.choose(unseen, room), room)
             self.stats.record_choice(k)
@@ -73,10 +79,14 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         self._drafted = candidates.shape[1] - input_ids.shape[1]
         self._drafted_at = time.perf_counter()
         self._draft_ms = (self._drafted_at - start) * 1000.0
+        if self.exact_rows and self._drafted:
+            route_rows(self._drafted + 1)  # the next forward: the target verifying these candidates
         return candidates, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         verify_ms = (time.perf_counter() - self._drafted_at) * 1000.0
+        if self.exact_rows:
+            route_rows(None)
         accepted = int(num_matches)
         first = self.stats.rounds == 0
         self.stats.record_round(self._drafted, accepted, self._draft_ms, verify_ms, first)

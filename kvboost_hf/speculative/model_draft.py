@@ -37,6 +37,7 @@ class ModelProposer:
             inner.generation_config.assistant_confidence_threshold = 0.0
             inner.assistant_generation_config.assistant_confidence_threshold = 0.0
         self.cache: ChunkReuseCache | None = None
+        self._stored: int | None = None
         state = reuse_state(inner.assistant_model)
         if state is not None:
             self.cache = ChunkReuseCache(inner.assistant_model.config, state.store)
@@ -60,11 +61,14 @@ class ModelProposer:
         return max(0, input_ids.shape[1] - held)
 
     def _stored_prefix(self, input_ids: torch.LongTensor) -> int:
-        try:
-            key = namespace(self.inner.assistant_model)
-        except UnfingerprintableModel:
-            return 0
-        return self.cache.store.stored_prefix_length(key, input_ids[0].tolist())
+        """Asked of the store once per request: the draft stores nothing before the request ends."""
+        if self._stored is None:
+            try:
+                key = namespace(self.inner.assistant_model)
+            except UnfingerprintableModel:
+                key = None
+            self._stored = 0 if key is None else self.cache.store.stored_prefix_length(key, input_ids[0].tolist())
+        return self._stored
 
     def finish(self, sequence: torch.LongTensor) -> ChunkReuseCache | None:
         """Store the draft's K/V of the tokens the target confirmed (a prefix of ``sequence``)."""

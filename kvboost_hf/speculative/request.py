@@ -47,6 +47,7 @@ class SpeculationRequest:
     proposer: object = None
     controller: DraftController | None = None
     memory_key: object = None  # which earlier requests' costs this one starts from
+    exact_rows: bool = False  # verification forwards route attention per row (exact_rows.py)
 
 
 def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = None) -> SpeculationRequest | None:
@@ -171,7 +172,8 @@ def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, g
         state = reuse_state(model)
         memory = state.speculation_costs.get(request.memory_key) if state is not None else None
         request.controller = DraftController(request.settings, memory)
-    return MeasuredCandidateGenerator(proposer, request.controller, request.stats, generation_config.max_length)
+    return MeasuredCandidateGenerator(proposer, request.controller, request.stats, generation_config.max_length,
+                                      exact_rows=request.exact_rows)
 
 
 def finish(request: SpeculationRequest, output) -> None:

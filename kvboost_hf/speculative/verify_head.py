@@ -13,6 +13,11 @@ duration of a speculative request. For each input row count it first computes bo
 per process, and keeps the blocked way only if it is **bitwise equal** to the plain product and
 faster; otherwise that row count stays on ``F.linear``. So this can only change speed, never
 output.
+
+A multi-row product still differs from a one-row (decode) product in the last bits, whatever the
+blocking, so a float32 row whose two best logits are too close to be ordered reliably is
+recomputed the way a decode step computes it (:func:`redo_near_ties`, with a worst-case error
+bound): the greedy token of every verified position is the one decoding would pick.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ MIN_SPEED_UP = 1.2  # the blocked way must beat the plain one by this much to be
 _lock = threading.Lock()
 _active: dict[int, list] = {}  # id(head) -> [head, activations]
 _choices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> {(rows, dtype): bool}
+_row_norms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> ((ptr, version), max row norm)
 
 
 def block_rows(in_features: int, element_size: int) -> int:
@@ -89,9 +95,43 @@ def _forward(head: nn.Linear):
             out = blocked_linear(x2, head.weight, head.bias)
         else:
             out = F.linear(x2, head.weight, head.bias)
+        if x.dtype == torch.float32:
+            redo_near_ties(head, x2, out)
         return out.reshape(*x.shape[:-1], head.weight.shape[0])
 
     return forward
+
+
+def near_tie_bound(head: nn.Linear, x2: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x2``, a bound on how far apart two float32 computations of one of its logits can
+    be: each is within ``gamma_K * sum|x_k w_k| <= gamma_K * |x| * max_v |w_v|`` of the exact value."""
+    k = head.in_features
+    u = 2.0 ** -24
+    gamma = k * u / (1 - k * u)
+    return 2 * gamma * x2.norm(dim=-1) * _max_row_norm(head)
+
+
+def redo_near_ties(head: nn.Linear, x2: torch.Tensor, out: torch.Tensor) -> int:
+    """Recompute, one row at a time as a decode step computes it, every row of ``out`` whose top two
+    logits are closer than twice :func:`near_tie_bound` (or 1e-4 of the top logit: soft-capping
+    compresses gaps), so a multi-row call picks the same greedy token as decoding. Returns how many."""
+    top = out.topk(2, dim=-1).values
+    gap = top[:, 0] - top[:, 1]
+    limit = torch.maximum(2 * near_tie_bound(head, x2), 1e-4 * top[:, 0].abs())
+    rows = torch.nonzero(gap <= limit).flatten().tolist()
+    for i in rows:
+        out[i] = F.linear(x2[i : i + 1], head.weight, head.bias)[0]
+    return len(rows)
+
+
+def _max_row_norm(head: nn.Linear) -> float:
+    w = head.weight
+    version = (w.data_ptr(), w._version)
+    cached = _row_norms.get(head)
+    if cached is None or cached[0] != version:
+        cached = (version, float(w.detach().norm(dim=1).max()))
+        _row_norms[head] = cached
+    return cached[1]
 
 
 @contextlib.contextmanager

@@ -55,7 +55,7 @@ def test_model_attention_is_restored_even_when_the_forward_fails(tiny_models):
     with pytest.raises(IndexError):
         runner.step([], [bad], [3])
     assert model.config._attn_implementation == "sdpa"
-    assert attention.packed_attention() is None  # later forwards on this thread are plain SDPA again
+    assert attention.attention_route() is None  # later forwards on this thread are plain SDPA again
     good = Sequence(random_ids(9, seed=3)[0].tolist(), max_tokens=4, sampling=RowSampling(temperature=0), eos_ids=[])
     run_batch(runner, [good], BatchLimits(2, 16))
     assert good.generated == generate_alone(model, good.prompt_ids, 4, [])

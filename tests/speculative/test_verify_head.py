@@ -106,3 +106,24 @@ def test_concurrent_requests_install_once_and_remove_last():
     for t in threads:
         t.join()
     assert "forward" not in head.__dict__
+
+
+def test_near_ties_are_recomputed_as_a_decode_step():
+    """A row whose two best logits are within the error bound is recomputed alone (the decode step's
+    one-row product, bit for bit); rows with a clear winner are left as computed."""
+    from kvboost_hf.speculative.verify_head import redo_near_ties
+
+    head = _tall_head()
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        out = nn.functional.linear(x, head.weight)
+        fake = out.clone()
+        top = fake[2].argmax()
+        fake[2, top] += 1.0  # a value no float error explains: recomputing must replace it
+        fake[2, (top + 1) % fake.shape[1]] = fake[2, top] - 1e-7  # and a near tie in row 2
+        fake[4] += 0.5  # a clear winner, left alone even though off
+        changed = redo_near_ties(head, x, fake)
+        decode_step = nn.functional.linear(x[2].view(1, 1, -1), head.weight)[0, 0]
+    assert changed == 1
+    assert torch.equal(fake[2], decode_step)
+    assert torch.equal(fake[4], out[4] + 0.5)

@@ -1,0 +1,90 @@
+"""Verification forwards whose every row is computed exactly as a one-token decode step computes it.
+
+Speculative decoding is exact only if the target's logits for ``k + 1`` verified positions equal
+those of ``k + 1`` decode steps. On an AWQ int4 target the linears are row-independent (torch's
+int4 kernel gives each row the same bits whatever the number of rows; tested), but attention is
+not: one SDPA call over ``k + 1`` queries forms its query-key products as a matrix product, a
+one-query decode step as a vector product, and the last bits differ (~1e-7). The int4 linears
+round their activations to bf16, which turns such bits into visible differences (0.1 in a
+Gemma-3-270M hidden state), and greedy tokens flipped in 3 of 12 benchmark requests.
+
+So while a verification forward runs on such a target, ``kvboost_sdpa`` is routed to
+:func:`row_exact_attention`: one stock SDPA call per query row, over exactly the keys a decode
+step of that row sees (the whole past, or the last ``sliding_window`` on a sliding layer), with
+no mask, as the decode step calls it. The LM head's rows are made exact separately
+(:mod:`.verify_head`). Float targets keep the batched call: their float matmuls differ by row
+count anyway (~1e-6, a near-tie caveat shared with transformers' own assisted decoding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .. import attention
+from ..streaming.loader import RUNTIME_ATTR
+from .verify_head import row_blocked_head
+
+
+def needs_exact_rows(model: nn.Module) -> bool:
+    """Whether verification on ``model`` routes attention per row: an AWQ int4 model on SDPA."""
+    config = getattr(model, "config", None)
+    return (getattr(model, RUNTIME_ATTR, None) is not None and config is not None
+            and config._attn_implementation in attention.SDPA_IMPLEMENTATIONS)
+
+
+def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, *,
+                        expected_rows: int | None = None, scaling: float | None = None,
+                        sliding_window: int | None = None, **kwargs):
+    """Attention of ``query``'s rows (the last rows of ``key``), each as its own decode step would run it.
+
+    A forward of another row count than ``expected_rows`` (the last accepted token and the drafts:
+    a round-0 draft rides on the prompt prefill, which plain decoding batches) keeps the batched call."""
+    rows = query.shape[2]
+    if rows == 1 or query.shape[0] != 1 or (expected_rows is not None and rows != expected_rows):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    if not getattr(module, "is_sliding", window is not None):
+        window = None
+    kwargs.pop("is_causal", None)
+    total = key.shape[-2]
+    outputs = []
+    for i in range(rows):
+        end = total - rows + i + 1
+        start = max(0, end - window) if window is not None else 0
+        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end],
+                                        None, scaling=scaling, is_causal=False, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+def route_rows(rows: int | None) -> None:
+    """Route this thread's ``kvboost_sdpa`` calls to :func:`row_exact_attention` for forwards of ``rows``
+    query rows (None: stop routing)."""
+    attention.set_attention_route(None if rows is None else functools.partial(row_exact_attention,
+                                                                               expected_rows=rows))
+
+
+@contextlib.contextmanager
+def verifying(model: nn.Module) -> Iterator[bool]:
+    """For one speculative generate call: the row-blocked LM head, and on a target that
+    :func:`needs_exact_rows`, attention named ``kvboost_sdpa`` (stock SDPA until a verification
+    forward routes it). Yields whether verification forwards must route attention per row."""
+    exact = needs_exact_rows(model)
+    config = model.config
+    implementation = config._attn_implementation
+    if exact and implementation != attention.ATTENTION_NAME:
+        config._attn_implementation = attention.ATTENTION_NAME
+    try:
+        with row_blocked_head(model):
+            yield exact
+    finally:
+        route_rows(None)
+        if config._attn_implementation != implementation:
+            config._attn_implementation = implementation
