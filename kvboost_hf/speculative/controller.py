@@ -29,6 +29,7 @@ The rule (documented in docs/speculative.md):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PRIOR_WEIGHT = 2.0  # acceptance carried over from earlier requests counts as this many rounds
@@ -126,9 +127,10 @@ class DraftController:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def choose(self, unseen: int = 0, remaining: int | None = None) -> int:
+    def choose(self, unseen: int | Callable[[], int] = 0, remaining: int | None = None) -> int:
         """Draft tokens to propose this round (0: a plain decode step). ``unseen``: tokens the draft must
-        forward before drafting (catch-up); ``remaining``: tokens the request may still generate."""
+        forward before drafting (catch-up), or a function computing them, called only when needed;
+        ``remaining``: tokens the request may still generate."""
         s = self.settings
         if not s.adaptive:
             return s.max_tokens
@@ -144,10 +146,13 @@ class DraftController:
             return self._afford(s.probe_tokens, None, unseen, remaining)  # one probe round after a back-off
         return self._decide(unseen, remaining)
 
-    def _afford(self, k: int, gain: float | None, unseen: int, remaining: int | None) -> int:
+    def _afford(self, k: int, gain: float | None, unseen, remaining: int | None) -> int:
         """``k``, or 0 when the draft's catch-up costs more than speculation can save in the request."""
         rate = self.catch_up_ms_per_token.value
-        if k == 0 or unseen <= ROUND_TOKENS or rate is None or remaining is None or self.plain_ms.value is None:
+        if k == 0 or rate is None or remaining is None or self.plain_ms.value is None:
+            return k
+        unseen = unseen() if callable(unseen) else unseen
+        if unseen <= ROUND_TOKENS:
             return k
         share = (1.0 - 1.0 / gain) if gain is not None else (self.settings.min_gain - 1.0)
         if unseen * rate <= share * remaining * self.plain_ms.value:
@@ -157,7 +162,7 @@ class DraftController:
         self.off_until = self.round + self.backoff  # ask again after a back-off (not doubled: nothing was tried)
         return 0
 
-    def _decide(self, unseen: int, remaining: int | None) -> int:
+    def _decide(self, unseen, remaining: int | None) -> int:
         s = self.settings
         plain = self.plain_ms.value
         slope = max(0.0, self.verify_slope_ms.value)

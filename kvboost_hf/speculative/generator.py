@@ -65,7 +65,13 @@ class MeasuredCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
         room = max(0, self.max_length - input_ids.shape[1] - 1)  # the target adds one token itself
-        unseen = self.proposer.unseen(input_ids)
+        counted: list[int] = []
+
+        def unseen() -> int:  # asked only when it matters: a model draft's first call may ask the store
+            if not counted:
+                counted.append(self.proposer.unseen(input_ids))
+            return counted[0]
+
         if self.controller is None:
             k = room
         elif self.exact_rows and self.stats.rounds == 0:
@@ -75,7 +81,7 @@ class MeasuredCandidateGenerator(CandidateGenerator):
             k = min(self.controller.choose(unseen, room), room)
             self.stats.record_choice(k)
         candidates, logits = self.proposer.propose(input_ids, k) if k > 0 else (input_ids, None)
-        self._unseen = unseen if k > 0 else 0
+        self._unseen = unseen() if k > 0 else 0
         self._drafted = candidates.shape[1] - input_ids.shape[1]
         self._drafted_at = time.perf_counter()
         self._draft_ms = (self._drafted_at - start) * 1000.0

@@ -200,7 +200,7 @@ def model_state_token(model: torch.nn.Module) -> tuple:
         xxhash.xxh3_64_digest(_sampled_values(tensors)),
         tuple(active_adapters(model, layers)),
         adapter_scales(model, layers),
-        getattr(config, "_attn_implementation", None),
+        _attention_family(model),  # kvboost_sdpa (switched on for some requests) computes SDPA's K/V
         config_digest(model),
     )
 
