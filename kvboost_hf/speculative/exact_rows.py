@@ -44,9 +44,12 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     """Attention of ``query``'s rows (the last rows of ``key``), each as its own decode step would run it.
 
     A forward of another row count than ``expected_rows`` (the last accepted token and the drafts:
-    a round-0 draft rides on the prompt prefill, which plain decoding batches) keeps the batched call."""
+    a round-0 draft rides on the prompt prefill, which plain decoding batches) keeps the batched call.
+    One row is handled too: during assisted decoding a sliding layer may hold more than its window
+    (a cache filled from the store keeps its past for cropping), where plain decoding holds exactly
+    the window and calls SDPA without a mask."""
     rows = query.shape[2]
-    if rows == 1 or query.shape[0] != 1 or (expected_rows is not None and rows != expected_rows):
+    if query.shape[0] != 1 or (expected_rows is not None and rows != expected_rows):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)

@@ -85,7 +85,7 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         self._drafted = candidates.shape[1] - input_ids.shape[1]
         self._drafted_at = time.perf_counter()
         self._draft_ms = (self._drafted_at - start) * 1000.0
-        if self.exact_rows and self._drafted:
+        if self.exact_rows and self.stats.rounds > 0:
             route_rows(self._drafted + 1)  # the next forward: the target verifying these candidates
         return candidates, logits
 

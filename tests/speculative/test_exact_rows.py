@@ -68,13 +68,15 @@ def test_adaptive_speculation_on_an_int4_target_is_token_identical(family, tmp_p
     draft = make_draft(target, bits=4)
     reuse(target)
     settings = ControllerSettings(min_gain=1e-6, start_tokens=3, max_tokens=6)  # speculate in every round it can
-    verified = 0
+    verified = reused = 0
+    common = random_ids(5, 99)  # later prompts reuse a partial chunk: the sliding layers load from the store
     for seed in (1, 2, 3):
-        ids = random_ids(SLIDING_WINDOW + 9, seed)
+        ids = torch.cat([common, random_ids(SLIDING_WINDOW + 4, seed)], dim=1)
         ref = target.generate(ids, max_new_tokens=24, do_sample=False, draft=None)
         out = target.generate(ids, max_new_tokens=24, do_sample=False, draft=draft, speculation=settings)
         assert torch.equal(out, ref)
         spec = last_request_stats(target).speculation
         assert spec.choices[0][0] == 0  # round 0, the prompt prefill, never carries drafts here
         verified += spec.drafted_tokens
-    assert verified > 0
+        reused += last_request_stats(target).reused_tokens
+    assert verified > 0 and reused > 0
