@@ -202,8 +202,9 @@ def merged(earlier: dict, partial: dict) -> dict:
         for name, v in res["variants"].items():
             if name != "plain" or name not in variants:  # a workload new to the file keeps its plain row
                 variants[name] = {**v, "rerun": True}
-        out["workloads"][workload] = {"identical": old["identical"] and res["identical"],
-                                      "mismatches": old["mismatches"] + res["mismatches"], "variants": variants}
+        rerun = set(res["variants"]) - {"plain"}  # their earlier mismatches are replaced by this run's
+        mismatches = [m for m in old["mismatches"] if m["variant"] not in rerun] + res["mismatches"]
+        out["workloads"][workload] = {"identical": not mismatches, "mismatches": mismatches, "variants": variants}
     return out
 
 
