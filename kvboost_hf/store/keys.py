@@ -192,7 +192,6 @@ def model_state_token(model: torch.nn.Module) -> tuple:
         memo = (layout, tuner_layers(model))
         _tuners[model] = memo
     layers = memo[1]
-    config = getattr(model, "config", None)
     return (
         layout,
         # Inference tensors (made under torch.inference_mode) have no version counter: pointer and samples only.
