@@ -62,6 +62,12 @@ def kvboost_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def layer_window(module, sliding_window: int | None) -> int | None:
+    """The sliding window an attention layer applies (None for a full-attention layer)."""
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    return window if getattr(module, "is_sliding", window is not None) else None
+
+
 def position_aware_sdpa_mask(**kwargs):
     """``sdpa_mask``, with query indices mapped to their real positions during a scattered forward."""
     queries = scattered_queries()

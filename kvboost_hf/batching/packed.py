@@ -116,9 +116,7 @@ def packed_rows_attention(cache: PackedRowsCache, module, query: torch.Tensor, k
     """
     if cache.layer_idx != module.layer_idx:
         raise RuntimeError(f"packed attention for layer {module.layer_idx} without that layer's row K/V")
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-    if not getattr(module, "is_sliding", window is not None):
-        window = None
+    window = attention.layer_window(module, sliding_window)
     outputs = []
     kwargs.pop("is_causal", None)
     for seg, (keys, values) in zip(cache.segments, cache.layer_states):

@@ -8,10 +8,10 @@ one-query decode step as a vector product, and the last bits differ (~1e-7). The
 round their activations to bf16, which turns such bits into visible differences (0.1 in a
 Gemma-3-270M hidden state), and greedy tokens flipped in 3 of 12 benchmark requests.
 
-So while a verification forward runs on such a target, ``kvboost_sdpa`` is routed to
-:func:`row_exact_attention`: one stock SDPA call per query row, over exactly the keys a decode
-step of that row sees (the whole past, or the last ``sliding_window`` on a sliding layer), with
-no mask, as the decode step calls it. The LM head's rows are made exact separately
+So on such a target every forward after the prompt prefill (a verification, or a plain step of
+the assisted loop) routes ``kvboost_sdpa`` to :func:`row_exact_attention`: one stock SDPA call
+per query row, over exactly the keys a decode step of that row sees (the whole past, or the last
+``sliding_window`` on a sliding layer), with no mask, as the decode step calls it. The LM head's rows are made exact separately
 (:mod:`.verify_head`). Float targets keep the batched call: their float matmuls differ by row
 count anyway (~1e-6, a near-tie caveat shared with transformers' own assisted decoding).
 """
@@ -52,9 +52,7 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     if query.shape[0] != 1 or (expected_rows is not None and rows != expected_rows):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-    if not getattr(module, "is_sliding", window is not None):
-        window = None
+    window = attention.layer_window(module, sliding_window)
     kwargs.pop("is_causal", None)
     total = key.shape[-2]
     outputs = []

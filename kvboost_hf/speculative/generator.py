@@ -86,7 +86,7 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         self._drafted_at = time.perf_counter()
         self._draft_ms = (self._drafted_at - start) * 1000.0
         if self.exact_rows and self.stats.rounds > 0:
-            route_rows(self._drafted + 1)  # the next forward: the target verifying these candidates
+            route_rows(self._drafted + 1)  # the next target forward: these candidates (or none) + 1
         return candidates, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
