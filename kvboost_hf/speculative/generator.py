@@ -18,6 +18,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .controller import DraftController
 from .exact_rows import route_rows
 from .stats import SpeculationStats
+from .verify_head import measuring_seconds
 
 
 class Proposer(Protocol):
@@ -60,7 +61,7 @@ class MeasuredCandidateGenerator(CandidateGenerator):
                  max_length: int, exact_rows: bool = False) -> None:
         self.proposer, self.controller, self.stats, self.max_length = proposer, controller, stats, max_length
         self.exact_rows = exact_rows
-        self._drafted, self._draft_ms, self._drafted_at, self._unseen = 0, 0.0, 0.0, 0
+        self._drafted, self._draft_ms, self._drafted_at, self._measured_at, self._unseen = 0, 0.0, 0.0, 0.0, 0
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
@@ -80,10 +81,11 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         else:
             k = min(self.controller.choose(unseen, room), room)
             self.stats.record_choice(k)
-        candidates, logits = self.proposer.propose(input_ids, k) if k > 0 else (input_ids, None)
+        # Counted before proposing: proposing forwards the unseen tokens, after which none are left.
         self._unseen = unseen() if k > 0 else 0
+        candidates, logits = self.proposer.propose(input_ids, k) if k > 0 else (input_ids, None)
         self._drafted = candidates.shape[1] - input_ids.shape[1]
-        self._drafted_at = time.perf_counter()
+        self._drafted_at, self._measured_at = time.perf_counter(), measuring_seconds()
         self._draft_ms = (self._drafted_at - start) * 1000.0
         if self.exact_rows and self.stats.rounds > 0:
             route_rows(self._drafted + 1)  # the next target forward: these candidates (or none) + 1
@@ -91,13 +93,14 @@ class MeasuredCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         verify_ms = (time.perf_counter() - self._drafted_at) * 1000.0
+        one_off_ms = (measuring_seconds() - self._measured_at) * 1000.0  # the LM head's first call at a row count
         if self.exact_rows:
             route_rows(None)
         accepted = int(num_matches)
         first = self.stats.rounds == 0
         self.stats.record_round(self._drafted, accepted, self._draft_ms, verify_ms, first)
         if self.controller is not None:
-            self.controller.observe(self._drafted, accepted, self._draft_ms, verify_ms, self._unseen)
+            self.controller.observe(self._drafted, accepted, self._draft_ms, verify_ms - one_off_ms, self._unseen)
             self.stats.off_reason = self.controller.off_reason
         if self._drafted:
             self.proposer.update(input_ids, scores, num_matches)

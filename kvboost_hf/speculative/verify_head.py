@@ -44,6 +44,7 @@ _lock = threading.Lock()
 _active: dict[int, list] = {}  # id(head) -> [head, activations]
 _choices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> {(rows, dtype): bool}
 _row_norms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> ((ptr, version), max row norm)
+_measuring = threading.local()  # .seconds: this thread's time spent measuring the second way
 
 
 def block_rows(in_features: int, element_size: int) -> int:
@@ -76,9 +77,16 @@ def _choose(head: nn.Linear, x2: torch.Tensor) -> tuple[bool, torch.Tensor]:
     blocked_s = time.perf_counter() - start
     identical = torch.equal(plain, blocked)
     use = identical and blocked_s * MIN_SPEED_UP < plain_s
+    _measuring.seconds = measuring_seconds() + time.perf_counter() - start
     logger.debug("LM head at %d rows: plain %.1f ms, row-blocked %.1f ms, identical=%s -> %s", x2.shape[0],
                  plain_s * 1e3, blocked_s * 1e3, identical, "blocked" if use else "plain")
     return use, plain
+
+
+def measuring_seconds() -> float:
+    """Time this thread has spent computing a head product a second way, to choose (a one-off per row
+    count). Cost models subtract it: it is not what a round with that many rows costs from then on."""
+    return getattr(_measuring, "seconds", 0.0)
 
 
 def _forward(head: nn.Linear):

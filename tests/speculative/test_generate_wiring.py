@@ -10,7 +10,9 @@ from transformers.generation.utils import GenerationMixin
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
 from kvboost_hf.speculative import set_default_draft, speculation_totals
+from kvboost_hf.speculative.controller import DraftController
 from kvboost_hf.speculative.generator import MeasuredCandidateGenerator
+from kvboost_hf.speculative.stats import SpeculationStats
 from kvboost_hf.state import namespace
 from tests.conftest import make_tiny, random_ids
 
@@ -141,3 +143,53 @@ def test_default_draft_and_totals(reuse):
     set_default_draft(model, None)
     model.generate(ids, max_new_tokens=3, do_sample=False)
     assert last_request_stats(model).speculation is None
+
+
+class _CatchingUpProposer:
+    """A model-draft stand-in: proposing forwards every token it had not seen yet."""
+
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def unseen(self, input_ids: torch.LongTensor) -> int:
+        return input_ids.shape[1] - self.seen
+
+    def propose(self, input_ids: torch.LongTensor, k: int):
+        self.seen = input_ids.shape[1] + k
+        return torch.cat([input_ids, torch.zeros(1, k, dtype=input_ids.dtype)], dim=1), None
+
+    def update(self, input_ids, scores, num_matches) -> None:
+        return None
+
+    def finish(self, sequence) -> None:
+        return None
+
+
+class _Recording(DraftController):
+    def __init__(self) -> None:
+        super().__init__()
+        self.observed: list[tuple[int, int]] = []
+
+    def observe(self, drafted, accepted, draft_ms, verify_ms, unseen=0) -> None:
+        self.observed.append((drafted, unseen))
+        super().observe(drafted, accepted, draft_ms, verify_ms, unseen)
+
+
+def test_the_catch_up_is_counted_before_the_draft_forwards_it():
+    """The first drafting round of a request catches the draft up on the whole prompt. The controller
+    does not ask for that count when it has no catch-up cost yet, and after proposing nothing is unseen:
+    the count must still reach it, or the catch-up cost is never learnt (every later request paid it)."""
+    controller = _Recording()
+    generator = MeasuredCandidateGenerator(_CatchingUpProposer(), controller, SpeculationStats(), max_length=200)
+    ids = random_ids(40, 3)
+    for _ in range(4):
+        candidates, _ = generator.get_candidates(ids)
+        drafted = candidates.shape[1] - ids.shape[1]
+        generator.update_candidate_strategy(candidates, torch.zeros(1, drafted + 1, 8), drafted)
+        ids = torch.cat([candidates, torch.zeros(1, 1, dtype=ids.dtype)], dim=1)
+    first_draft = next(i for i, (drafted, _) in enumerate(controller.observed) if drafted)
+    assert controller.observed[first_draft][1] == 40 + first_draft  # the prompt and the plain rounds' tokens
+    assert controller.catch_up_ms_per_token.value is not None
+    assert all(unseen <= 2 for drafted, unseen in controller.observed[first_draft + 1:] if drafted)
