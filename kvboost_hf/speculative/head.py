@@ -36,7 +36,7 @@ class DraftHead(nn.Module):
         return cls(quantized_linear(weight, bias, bits), vocab_size, tokens, softcap)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.linear(hidden)
+        logits = self.linear(hidden).float()  # a bfloat16 draft still gives float32 logits
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.tokens is None:

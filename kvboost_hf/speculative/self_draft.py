@@ -1,7 +1,8 @@
 """``make_draft``: a self-draft built from the target's own weights (no small sibling model needed).
 
 The draft is a structural clone of the target (same class, own module objects, shared
-embedding and norm tensors) whose decoder linears are weight-only int4 or int8, optionally
+embedding) whose decoder linears are weight-only int4 or int8 and whose RMSNorms are fused
+(:mod:`.draft_norm`), computing in bf16 where the CPU does so natively, optionally
 keeping only the first ``layers`` decoder layers, with an LM head optionally restricted to the
 ``vocab`` most frequent tokens (FR-Spec). A restricted head still returns full-vocabulary
 logits, ``-inf`` outside its set, so HF's speculative sampling stays exact.
@@ -25,6 +26,7 @@ from ..model_class import ReuseGenerateMixin
 from ..state import STATE_ATTR
 from ..streaming.loader import RUNTIME_ATTR
 from ..streaming.linear import AWQInt4Linear
+from .draft_norm import fuse_norms
 from .head import DraftHead
 from .quantized import Int4DraftLinear, quantized_linear
 from .vocab import draft_vocabulary, token_ranking
@@ -39,7 +41,8 @@ _DROPPED = (STATE_ATTR, RUNTIME_ATTR)
 
 @torch.no_grad()
 def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers: int | None = None, *,
-               tokenizer=None, texts=None, head_bits: int = 8) -> nn.Module:
+               tokenizer=None, texts=None, head_bits: int = 8,
+               activations: torch.dtype | str = "auto") -> nn.Module:
     """A self-draft of ``model`` for ``model.generate(..., draft=...)`` / ``assistant_model=``.
 
     ``bits`` (4 or 8): weight-only precision of the decoder linears. ``head_bits`` (8 or 4): that of
@@ -47,7 +50,9 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     head's top token 81% of the time on essay text, int8 97%).
     ``vocab``: keep the ``vocab`` most frequent tokens in the LM head (needs ``tokenizer``; counted
     on ``texts`` or the offline essays, cached). ``layers``: keep the first ``layers`` decoder layers.
-    The target is not modified; embeddings and norms are shared, not copied.
+    ``activations``: the dtype the draft computes in (hidden states, K/V, attention). ``"auto"``:
+    bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else the model's dtype.
+    The target is not modified; the embedding is shared, not copied.
     """
     if bits not in (4, 8):
         raise ValueError(f"make_draft(bits=...) must be 4 or 8, got {bits!r}")
@@ -60,6 +65,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
         raise ValueError("make_draft(vocab=N) needs tokenizer= (token frequencies are counted with it)")
     if vocab is not None and not 1 <= vocab <= config.vocab_size:
         raise ValueError(f"make_draft(vocab=...) must be in 1..{config.vocab_size}, got {vocab!r}")
+    compute_dtype = activation_dtype(activations, model)
     runtime = getattr(model, RUNTIME_ATTR, None)
     if runtime is not None and bits != 4:
         raise ValueError("an AWQ model's self-draft uses its own int4 weights: make_draft(bits=4)")
@@ -84,9 +90,50 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     if getattr(draft.config, "final_logit_softcapping", None) is not None:
         draft.config.final_logit_softcapping = None  # applied inside DraftHead, before the -inf fill
     draft.config.tie_word_embeddings = False
+    compute_in(draft, compute_dtype)
+    fuse_norms(draft, compute_dtype)
     draft.draft_name = f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
     draft.eval()
     return draft
+
+
+def activation_dtype(requested: torch.dtype | str, model: nn.Module) -> torch.dtype:
+    """The dtype a draft of ``model`` computes in, for ``make_draft(activations=requested)``."""
+    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if requested == "auto":
+        return torch.bfloat16 if native_bf16(_device_of(model)) else model_dtype
+    if requested in (torch.float32, torch.bfloat16):
+        return requested
+    raise ValueError(f"make_draft(activations=...) must be 'auto', torch.float32 or torch.bfloat16, got {requested!r}")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 natively: a CPU with AVX512-BF16 or AMX, or a CUDA GPU that
+    supports it (untested here). Elsewhere bf16 elementwise work is emulated and slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    capabilities = torch.cpu.get_capabilities() if device.type == "cpu" else {}
+    return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((t.device for t in model.parameters()), torch.device("cpu"))
+
+
+def compute_in(draft: nn.Module, dtype: torch.dtype) -> None:
+    """Make ``draft`` compute in ``dtype``: its other floating parameters (norms, biases) get their own
+    copies in ``dtype``, and the shared embedding's output is cast. Buffers (rotary frequencies) keep
+    their dtype. The quantized linears already take bf16 and return their input's dtype."""
+    embedding = draft.get_input_embeddings()
+    if embedding.weight.dtype == dtype:
+        return
+    for module in draft.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype or param is embedding.weight:
+                continue
+            module._parameters[name] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+    embedding.register_forward_hook(lambda _module, _args, output: output.to(dtype))
+    draft.config.dtype = dtype  # also keeps the draft's K/V (now in dtype) in a namespace of their own
 
 
 def clone_structure(model: nn.Module) -> nn.Module:

@@ -28,8 +28,9 @@ def _drafts(family: str, model) -> dict:
         "prompt-lookup": "prompt-lookup",
         "store": "store",
         "assistant": make_tiny(family, seed=5, num_layers=1),
-        "int4": make_draft(model, bits=4),
-        "int8-layers1": make_draft(model, bits=8, layers=1),
+        "int4": make_draft(model, bits=4, activations=torch.float32),
+        "int4-bf16": make_draft(model, bits=4, activations=torch.bfloat16),
+        "int8-layers1": make_draft(model, bits=8, layers=1),  # activations="auto": depends on the CPU
         "int4-vocab48": make_draft(model, bits=4, vocab=48, tokenizer=tokenizer, texts=texts),
     }
 

@@ -61,3 +61,26 @@ def test_a_stored_draft_prompt_is_not_catch_up(reuse):
     assert ModelProposer(_inner(draft)).unseen(random_ids(43, 99)) == 43
     target.generate(ids, max_new_tokens=5, do_sample=False, draft=draft, speculation=always)
     assert last_request_stats(target).speculation.draft_reused_tokens >= 40
+
+
+def test_a_zero_minimum_is_not_passed_to_the_draft_generate():
+    """generate would turn it into an inert min-length processor that scans the vocabulary per token."""
+    inner = _inner(make_tiny("llama", seed=5, num_layers=1))
+    inner._prepare_generation_args = lambda ids, low, high: {"input_ids": ids, "min_new_tokens": low,
+                                                             "max_new_tokens": high}
+    ModelProposer(inner)
+    assert "min_new_tokens" not in inner._prepare_generation_args(None, 0, 4)
+    assert inner._prepare_generation_args(None, 3, 4)["min_new_tokens"] == 3  # a real minimum stays
+
+
+def test_min_new_tokens_still_holds_with_a_draft(reuse):
+    target = make_tiny("llama", seed=2)
+    reuse(target)
+    draft = make_draft(target, bits=8)
+    ids = random_ids(20, 4)
+    eos = int(target.generate(ids, max_new_tokens=1, do_sample=False)[0, -1])  # the first greedy token ends it
+    always = ControllerSettings(adaptive=False, max_tokens=3, start_tokens=1, probe_tokens=1)
+    out = target.generate(ids, max_new_tokens=12, min_new_tokens=6, do_sample=False, eos_token_id=eos,
+                          draft=draft, speculation=always)
+    ref = target.generate(ids, max_new_tokens=12, min_new_tokens=6, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out, ref) and out.shape[1] - ids.shape[1] >= 6

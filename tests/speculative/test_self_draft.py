@@ -7,9 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf.speculative.draft_norm import DraftRMSNorm
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int8Linear, quantized_linear
 from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
+from kvboost_hf.state import namespace
 from kvboost_hf.streaming import StreamingAWQConfig, streaming_stats
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from kvboost_hf.streaming.pack import pack_model
@@ -28,19 +30,51 @@ def test_target_is_untouched_and_tensors_are_shared(reuse):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = random_ids(12, 3)
     ref = model.generate(ids, max_new_tokens=5, do_sample=False)
-    draft = make_draft(model, bits=4, layers=2)
+    draft = make_draft(model, bits=4, layers=2, activations=torch.float32)
     assert type(draft).__name__ == "Gemma3ForCausalLM" and not hasattr(draft, "_kvboost_reuse")
     assert len(draft.model.layers) == 2 and draft.config.num_hidden_layers == 2
     assert len(model.model.layers) == 3 and model.config.num_hidden_layers == 3
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert draft.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert draft.model.norm.weight.data_ptr() == model.model.norm.weight.data_ptr()
+    assert isinstance(draft.model.norm, DraftRMSNorm)  # its own fused module: a scale of a few KB
     linears = [m for m in draft.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     assert not linears and any(isinstance(m, AWQInt4Linear) for m in draft.modules())
     assert isinstance(draft.lm_head, DraftHead)
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), ref)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+def test_bf16_draft_computes_in_bf16_and_leaves_the_target_alone(reuse):
+    model = make_tiny("gemma3")
+    store = reuse(model)
+    ids = random_ids(12, 3)
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+    draft = make_draft(model, bits=4, activations=torch.bfloat16)
+    assert draft.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.model.norm.weight.dtype == torch.float32
+    seen = []
+    draft.model.layers[1].register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    with torch.no_grad():
+        logits = draft(ids).logits
+    assert seen == [torch.bfloat16] and logits.dtype == torch.float32
+    assert namespace(draft) != namespace(make_draft(model, bits=4, activations=torch.float32))
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, draft=draft), ref)
+    assert store.stats()["entries"] > 0
+
+
+@pytest.mark.parametrize("capabilities, expected", [({"avx512_bf16": True}, torch.bfloat16),
+                                                    ({"amx_bf16": True}, torch.bfloat16),
+                                                    ({"avx2": True}, torch.float32)])
+def test_auto_activations_follow_the_cpu(monkeypatch, capabilities, expected):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    model = make_tiny("llama")
+    seen = []
+    draft = make_draft(model, bits=8)
+    draft.model.layers[0].register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    with torch.no_grad():
+        draft(random_ids(6, 1))
+    assert seen == [expected]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -102,6 +136,7 @@ def test_frequency_ranking_is_counted_once_and_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(bits=3), "bits"), (dict(head_bits=16), "head_bits"), (dict(layers=0), "layers"), (dict(layers=9), "layers"),
     (dict(vocab=10), "tokenizer"), (dict(vocab=0, tokenizer=object()), "vocab"),
+    (dict(activations=torch.float16), "activations"), (dict(activations="bf16"), "activations"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
