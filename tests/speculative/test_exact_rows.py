@@ -80,3 +80,49 @@ def test_adaptive_speculation_on_an_int4_target_is_token_identical(family, tmp_p
         verified += spec.drafted_tokens
         reused += last_request_stats(target).reused_tokens
     assert verified > 0 and reused > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_top_k_1_sampling_on_an_int4_target_is_greedy(family, tmp_path, reuse):
+    """Sampling goes through HF's speculative sampling, not the greedy match: with top_k=1 the target's
+    distribution is one token, so the output must be plain greedy decoding whatever the seed."""
+    target = _int4_target(family, tmp_path / "ckpt", layers=5)
+    draft = make_draft(target, bits=4)
+    reuse(target)
+    settings = ControllerSettings(adaptive=False, max_tokens=4, start_tokens=1, probe_tokens=1)
+    for seed in (1, 2):
+        ids = random_ids(SLIDING_WINDOW + 6, seed)
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+        torch.manual_seed(seed)
+        out = target.generate(ids, max_new_tokens=20, do_sample=True, top_k=1, draft=draft, speculation=settings)
+        assert torch.equal(out, ref)
+        assert last_request_stats(target).speculation.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("strategy", ["cacheblend", "selective"])
+def test_approximate_reuse_on_an_int4_target_gives_the_same_tokens_with_a_draft(strategy, tmp_path):
+    """Approximate reuse changes the prompt's K/V (reported as approximate); a draft must not change
+    anything on top: the same request from identically warmed stores, with and without a draft."""
+    from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, warm
+
+    target = _int4_target("gemma3", tmp_path / "ckpt", layers=5)
+    draft = make_draft(target, bits=4)
+    bos = torch.tensor([1])
+    a, b, system, question = (random_ids(n, seed)[0] for n, seed in ((40, 11), (40, 12), (10, 13), (6, 14)))
+    prompt = torch.cat([bos, system, b, a, question]).unsqueeze(0)  # the documents, reordered
+    settings = ControllerSettings(min_gain=1e-6, start_tokens=3, max_tokens=6)
+    outputs, approximate = [], []
+    try:
+        for kwargs in ({}, {"draft": draft, "speculation": settings}):
+            store = ChunkStore(max_bytes=10**8, chunk_size=16)
+            warm(target, torch.cat([bos, a]), store)
+            warm(target, torch.cat([bos, b]), store)
+            enable_chunk_reuse(target, store, recompute_strategy=strategy, recompute_ratio=0.25, seam_tokens=4)
+            outputs.append(target.generate(prompt, max_new_tokens=16, do_sample=False, **kwargs))
+            stats = last_request_stats(target)
+            approximate.append(stats.approximate_tokens)
+    finally:
+        disable_chunk_reuse(target)
+    assert approximate[0] > 0 and approximate[0] == approximate[1]
+    assert torch.equal(outputs[0], outputs[1])
+    assert stats.speculation.drafted_tokens > 0
