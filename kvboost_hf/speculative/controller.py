@@ -151,6 +151,8 @@ class DraftController:
         rate = self.catch_up_ms_per_token.value
         if k == 0 or rate is None or remaining is None or self.plain_ms.value is None:
             return k
+        if self.settings.min_gain <= 1.0:  # speculating at a loss was allowed: so is any catch-up
+            return k
         unseen = unseen() if callable(unseen) else unseen
         if unseen <= ROUND_TOKENS:
             return k

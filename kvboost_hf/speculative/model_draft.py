@@ -37,7 +37,7 @@ class ModelProposer:
             inner.generation_config.assistant_confidence_threshold = 0.0
             inner.assistant_generation_config.assistant_confidence_threshold = 0.0
         prepare = getattr(inner, "_prepare_generation_args", None)
-        if prepare is not None:
+        if prepare is not None and not _sets_a_minimum(getattr(inner.assistant_model, "generation_config", None)):
             inner._prepare_generation_args = _without_zero_min_new_tokens(prepare)
         self.cache: ChunkReuseCache | None = None
         self._stored: int | None = None
@@ -86,13 +86,21 @@ class ModelProposer:
         return cache
 
 
+def _sets_a_minimum(config) -> bool:
+    """Whether a generation config would fill an unset minimum length (generate fills unset fields of
+    the config it is given from the model's own): then ``min_new_tokens=0`` must stay, to override it."""
+    return bool(getattr(config, "min_new_tokens", None) or getattr(config, "min_length", None))
+
+
 def _without_zero_min_new_tokens(prepare):
     """HF's ``_prepare_generation_args`` without ``min_new_tokens=0``, which changes nothing but costs.
 
     generate turns ``min_new_tokens=0`` into ``min_length`` = the prompt length, which installs a
     ``MinLengthLogitsProcessor`` that never fires yet builds a vocabulary-sized mask and copies the
     scores at every draft token: about 1 ms per token with Gemma's 262k vocabulary, ~5% of a draft
-    token. A positive minimum (the target's ``min_length`` not reached yet) is passed on unchanged.
+    token. A positive minimum (the target's ``min_length`` not reached yet) is passed on unchanged,
+    and nothing is dropped for a draft whose own generation config sets a minimum (see
+    :func:`_sets_a_minimum`).
     """
 
     def prepare_args(input_ids, min_new_tokens, max_new_tokens):

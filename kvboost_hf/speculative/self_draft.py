@@ -92,7 +92,8 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     draft.config.tie_word_embeddings = False
     compute_in(draft, compute_dtype)
     fuse_norms(draft, compute_dtype)
-    draft.draft_name = f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
+    draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
+                        + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
     draft.eval()
     return draft
 
@@ -124,6 +125,9 @@ def compute_in(draft: nn.Module, dtype: torch.dtype) -> None:
     """Make ``draft`` compute in ``dtype``: its other floating parameters (norms, biases) get their own
     copies in ``dtype``, and the shared embedding's output is cast. Buffers (rotary frequencies) keep
     their dtype. The quantized linears already take bf16 and return their input's dtype."""
+    # Always recorded, even when nothing is converted: the config is what keeps a float32 and a bf16
+    # draft of one model in different store namespaces (their weights may hash the same).
+    draft.config.dtype = dtype
     embedding = draft.get_input_embeddings()
     if embedding.weight.dtype == dtype:
         return
@@ -133,7 +137,6 @@ def compute_in(draft: nn.Module, dtype: torch.dtype) -> None:
                 continue
             module._parameters[name] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
     embedding.register_forward_hook(lambda _module, _args, output: output.to(dtype))
-    draft.config.dtype = dtype  # also keeps the draft's K/V (now in dtype) in a namespace of their own
 
 
 def clone_structure(model: nn.Module) -> nn.Module:

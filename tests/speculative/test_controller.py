@@ -119,3 +119,19 @@ def test_a_catch_up_that_costs_more_than_speculation_saves_is_skipped():
     # Ordinary rounds (at most two unseen tokens) are never charged a catch-up.
     assert long.choose(2, 1) > 0
 
+
+
+def test_a_min_gain_at_or_below_one_allows_any_catch_up():
+    """min_gain <= 1 means speculate even at a loss: a catch-up is then never a reason not to."""
+    first = DraftController()
+    for _ in range(2):
+        first.choose(0, 100)
+        first.observe(0, 0, 0.0, 100.0)
+    first.choose(600, 100)
+    first.observe(4, 4, 600 * 2.0 + 4 * 5.0, 140.0, unseen=600)
+    keen = DraftController(ControllerSettings(min_gain=1e-6), memory=first.memory())
+    keen.observe(0, 0, 0.0, 100.0)  # prefill round
+    assert keen.choose(600, 10) > 0
+    default = DraftController(memory=first.memory())
+    default.observe(0, 0, 0.0, 100.0)
+    assert default.choose(600, 10) == 0  # the same catch-up under the default min_gain

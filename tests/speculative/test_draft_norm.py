@@ -39,9 +39,25 @@ class ShiftedRMSNorm(nn.Module):
         return nn.functional.layer_norm(x, x.shape[-1:], self.weight, None, self.eps)
 
 
-def test_a_norm_it_cannot_reproduce_is_kept():
-    holder = nn.Sequential(ShiftedRMSNorm(16))
-    assert fuse_norms(holder, torch.float32) == 0 and isinstance(holder[0], ShiftedRMSNorm)
+class GroupedRMSNorm(nn.Module):
+    """An RMSNorm over groups of channels: equal to a full one on Gaussian rows only on average."""
+
+    def __init__(self, dim: int, groups: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.groups = 1e-6, groups
+
+    def forward(self, x):
+        g = x.reshape(*x.shape[:-1], self.groups, -1).float()
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (g.reshape(x.shape) * self.weight).to(x.dtype)
+
+
+@pytest.mark.parametrize("norm", [ShiftedRMSNorm(16), GroupedRMSNorm(64, 2)], ids=["centred", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_it_cannot_reproduce_is_kept(norm, dtype):
+    holder = nn.Sequential(norm)
+    assert fuse_norms(holder, dtype) == 0 and holder[0] is norm
 
 
 def test_drafts_use_it_and_the_target_keeps_its_own():

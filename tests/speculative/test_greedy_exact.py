@@ -81,8 +81,9 @@ def test_adaptive_default_is_identical_and_hf_kwargs_still_work(tiny_models, reu
     spec = last_request_stats(model).speculation
     assert spec.draft == "hf-prompt-lookup" and spec.rounds >= 1
     # assistant_model= is a model draft
-    assert torch.equal(model.generate(ids, assistant_model=make_draft(model, bits=8), **kw), ref)
-    assert last_request_stats(model).speculation.draft == "int8"
+    draft = make_draft(model, bits=8)
+    assert torch.equal(model.generate(ids, assistant_model=draft, **kw), ref)
+    assert last_request_stats(model).speculation.draft == draft.draft_name and draft.draft_name.startswith("int8")
 
 
 def test_without_reuse_draft_is_not_accepted(tiny_models):

@@ -73,6 +73,16 @@ def test_a_zero_minimum_is_not_passed_to_the_draft_generate():
     assert inner._prepare_generation_args(None, 3, 4)["min_new_tokens"] == 3  # a real minimum stays
 
 
+def test_a_draft_whose_own_config_sets_a_minimum_keeps_the_zero():
+    """generate fills an unset minimum from the draft's own generation config: the zero overrides it."""
+    assistant = make_tiny("llama", seed=5, num_layers=1)
+    assistant.generation_config.min_new_tokens = 3
+    inner = _inner(assistant)
+    inner._prepare_generation_args = lambda ids, low, high: {"min_new_tokens": low, "max_new_tokens": high}
+    ModelProposer(inner)
+    assert inner._prepare_generation_args(None, 0, 4)["min_new_tokens"] == 0
+
+
 def test_min_new_tokens_still_holds_with_a_draft(reuse):
     target = make_tiny("llama", seed=2)
     reuse(target)

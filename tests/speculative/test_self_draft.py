@@ -48,9 +48,14 @@ def test_target_is_untouched_and_tensors_are_shared(reuse):
 def test_bf16_draft_computes_in_bf16_and_leaves_the_target_alone(reuse):
     model = make_tiny("gemma3")
     store = reuse(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = random_ids(12, 3)
     ref = model.generate(ids, max_new_tokens=5, do_sample=False)
     draft = make_draft(model, bits=4, activations=torch.bfloat16)
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert not model.model.embed_tokens._forward_hooks  # the cast hook is the draft's own
+    assert draft.draft_name == "int4-bf16"
     assert draft.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert model.model.norm.weight.dtype == torch.float32
     seen = []
@@ -61,6 +66,19 @@ def test_bf16_draft_computes_in_bf16_and_leaves_the_target_alone(reuse):
     assert namespace(draft) != namespace(make_draft(model, bits=4, activations=torch.float32))
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, draft=draft), ref)
     assert store.stats()["entries"] > 0
+
+
+def test_float32_and_bf16_drafts_never_share_a_namespace():
+    """Even when their weights hash the same: bf16-representable weights in a float32 model whose config
+    still says bfloat16 (a bf16 checkpoint loaded, then ``.float()``)."""
+    model = make_tiny("llama")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    model.config.dtype = torch.bfloat16
+    drafts = {dtype: make_draft(model, bits=8, activations=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    assert namespace(drafts[torch.float32]) != namespace(drafts[torch.bfloat16])
+    assert drafts[torch.float32].config.dtype == torch.float32
 
 
 @pytest.mark.parametrize("capabilities, expected", [({"avx512_bf16": True}, torch.bfloat16),
