@@ -68,6 +68,17 @@ def layer_window(module, sliding_window: int | None) -> int | None:
     return window if getattr(module, "is_sliding", window is not None) else None
 
 
+def decode_step_mask(window: int | None, keys: int, device: torch.device) -> torch.Tensor | None:
+    """The mask transformers passes to SDPA for a one-token decode step over ``keys`` keys: none,
+    unless a sliding layer's keys fill its window (``_ignore_causal_mask_sdpa`` does not skip
+    ``kv_length >= local_attention_size``); then an all-True boolean mask. SDPA with a mask rounds
+    differently from SDPA without one (~1e-5 in an attention output), so a forward that must match
+    decode steps bit for bit (row-exact verification, a packed decoding row) makes the same call."""
+    if window is None or keys < window:
+        return None
+    return torch.ones(1, 1, 1, keys, dtype=torch.bool, device=device)
+
+
 def position_aware_sdpa_mask(**kwargs):
     """``sdpa_mask``, with query indices mapped to their real positions during a scattered forward."""
     queries = scattered_queries()

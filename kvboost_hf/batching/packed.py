@@ -7,10 +7,10 @@ and prompt chunks share one pass over the weights and nothing is padded.
 (so sliding layers trim, and reuse layers capture for the store, exactly as in a batch-1
 ``generate``) and keeps what the layer returned; :func:`packed_rows_attention` then runs
 transformers' own SDPA attention once per row, over that row's keys only: a decoding row gets
-exactly the call a batch-1 decode step makes (no mask), a prompt chunk gets its causal (and
-sliding-window) mask. Transformers' model code is untouched: the attention function is
-``kvboost_sdpa`` (registered through ``AttentionInterface``), which is stock SDPA outside a
-packed forward.
+exactly the call a batch-1 decode step makes (no mask, or the all-True one transformers passes
+once a sliding window is full), a prompt chunk gets its causal (and sliding-window) mask.
+Transformers' model code is untouched: the attention function is ``kvboost_sdpa`` (registered
+through ``AttentionInterface``), which is stock SDPA outside a packed forward.
 """
 
 from __future__ import annotations
@@ -122,9 +122,11 @@ def packed_rows_attention(cache: PackedRowsCache, module, query: torch.Tensor, k
     for seg, (keys, values) in zip(cache.segments, cache.layer_states):
         q = query[:, :, seg.start : seg.start + seg.length]
         mask = None
-        if seg.length == 1 and window is not None and keys.shape[-2] > window:  # a full layer with a window
-            keys, values = keys[:, :, -window:], values[:, :, -window:]
-        elif seg.length > 1:
+        if seg.length == 1:
+            if window is not None and keys.shape[-2] > window:  # a full layer with a window
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
+            mask = attention.decode_step_mask(window, keys.shape[-2], query.device)
+        else:
             mask = chunk_mask(keys.shape[-2] - seg.length, seg.length, window, query.device)
         out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=scaling, is_causal=False, **kwargs)
         outputs.append(out)

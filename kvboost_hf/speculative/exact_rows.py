@@ -11,8 +11,9 @@ Gemma-3-270M hidden state), and greedy tokens flipped in 3 of 12 benchmark reque
 So on such a target every forward after the prompt prefill (a verification, or a plain step of
 the assisted loop) routes ``kvboost_sdpa`` to :func:`row_exact_attention`: one stock SDPA call
 per query row, over exactly the keys a decode step of that row sees (the whole past, or the last
-``sliding_window`` on a sliding layer), with no mask, as the decode step calls it. The LM head's rows are made exact separately
-(:mod:`.verify_head`). Float targets keep the batched call: their float matmuls differ by row
+``sliding_window`` on a sliding layer), with the mask the decode step passes (none, or an
+all-True one once a sliding window is full: :func:`kvboost_hf.attention.decode_step_mask`). The LM head's rows are
+made exact separately (:mod:`.verify_head`). Float targets keep the batched call: their float matmuls differ by row
 count anyway (~1e-6, a near-tie caveat shared with transformers' own assisted decoding).
 """
 
@@ -60,7 +61,8 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
         end = total - rows + i + 1
         start = max(0, end - window) if window is not None else 0
         out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end],
-                                        None, scaling=scaling, is_causal=False, **kwargs)
+                                        attention.decode_step_mask(window, end - start, query.device), scaling=scaling,
+                                        is_causal=False, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
 

@@ -60,3 +60,37 @@ def test_model_attention_is_restored_even_when_the_forward_fails(tiny_models):
     run_batch(runner, [good], BatchLimits(2, 16))
     assert good.generated == generate_alone(model, good.prompt_ids, 4, [])
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("held", [SLIDING_WINDOW - 3, SLIDING_WINDOW - 1, 2 * SLIDING_WINDOW])
+def test_a_decoding_row_gets_the_decode_step_call_bit_for_bit(tiny_models, held):
+    """Next to a prompt chunk, a decoding row's attention output equals a batch-1 decode step's, on a
+    sliding layer whose window is not yet full, just full and long full (then transformers passes an
+    all-True mask, and SDPA without it rounds differently)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvboost_hf.batching.packed import packed_rows_attention
+
+    model = tiny_models["gemma3"]
+    module = next(layer.self_attn for layer in model.model.layers if layer.self_attn.is_sliding)
+    config, idx = model.config, module.layer_idx
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    torch.manual_seed(held)
+    past_k, past_v = torch.randn(1, kv_heads, held, dim), torch.randn(1, kv_heads, held, dim)
+    new_k, new_v = torch.randn(1, kv_heads, 1 + 3, dim), torch.randn(1, kv_heads, 1 + 3, dim)
+    query = torch.randn(1, heads, 1 + 3, dim)
+
+    alone = DynamicCache(config=config)
+    alone.layers[idx].update(past_k, past_v)
+    keys, values = alone.layers[idx].update(new_k[:, :, :1], new_v[:, :, :1])
+    step = attention.decode_step_mask(module.sliding_window, keys.shape[-2], torch.device("cpu"))
+    expected, _ = sdpa_attention_forward(module, query[:, :, :1], keys, values, step, scaling=module.scaling,
+                                         is_causal=False)
+
+    decoding, prefilling = DynamicCache(config=config), DynamicCache(config=config)
+    decoding.layers[idx].update(past_k, past_v)
+    packed = PackedRowsCache([decoding, prefilling], [1, 3])
+    packed.update(new_k, new_v, idx)
+    out, _ = packed_rows_attention(packed, module, query, new_k, new_v, None, scaling=module.scaling)
+    assert torch.equal(out[:, :1], expected)
+    assert (step is not None) == (held + 1 >= SLIDING_WINDOW)

@@ -126,3 +126,50 @@ def test_approximate_reuse_on_an_int4_target_gives_the_same_tokens_with_a_draft(
     assert approximate[0] > 0 and approximate[0] == approximate[1]
     assert torch.equal(outputs[0], outputs[1])
     assert stats.speculation.drafted_tokens > 0
+
+
+def _hidden_by_position(model):
+    """Forward hooks recording the last hidden state of every position the model computes (the last
+    computation wins: a position computed for a rejected candidate is computed again later)."""
+    rows, start = {}, [0]
+
+    def before(_module, _args, kwargs):
+        start[0] = kwargs["past_key_values"].get_seq_length()
+
+    def after(_module, _args, _kwargs, output):
+        for i, row in enumerate(output.last_hidden_state[0]):
+            rows[start[0] + i] = row.clone()
+
+    hooks = [model.model.register_forward_pre_hook(before, with_kwargs=True),
+             model.model.register_forward_hook(after, with_kwargs=True)]
+    return rows, hooks
+
+
+def test_every_decoded_position_has_the_hidden_state_of_plain_decoding(tmp_path, reuse):
+    """Bit for bit, not only the tokens: every verified row and plain round of a speculative request on
+    an int4 Gemma3 target, prompts beyond the sliding window. Once a sliding window is full, a decode
+    step calls SDPA with an all-True mask (transformers does not skip it then) and rounds differently
+    from a call without one: seed 5 differed at position 46 (1.6e-4) when verification passed no mask."""
+    target = _int4_target("gemma3", tmp_path / "ckpt", layers=5)
+    draft = make_draft(target, bits=4)
+    reuse(target)
+    settings = ControllerSettings(adaptive=False, max_tokens=3, start_tokens=1, probe_tokens=1)
+    common = random_ids(5, 99)
+    compared = 0
+    for seed in range(1, 7):
+        ids = torch.cat([common, random_ids(SLIDING_WINDOW + 4, seed)], dim=1)
+        runs = []
+        for variant in ({}, {"draft": "prompt-lookup", "speculation": settings},
+                        {"draft": draft, "speculation": settings}):
+            rows, hooks = _hidden_by_position(target)
+            out = target.generate(ids, max_new_tokens=24, do_sample=False, **variant)
+            for hook in hooks:
+                hook.remove()
+            runs.append((out, rows))
+        (ref, plain), spec = runs[0], runs[1:]
+        for out, rows in spec:
+            assert torch.equal(out, ref)
+            for position in range(ids.shape[1], ref.shape[1] - 1):
+                assert torch.equal(rows[position], plain[position]), (seed, position)
+                compared += 1
+    assert compared > 200
