@@ -92,18 +92,22 @@ def measuring_seconds() -> float:
 def _forward(head: nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not _eligible(head, x, rows):
+        grad = torch.is_grad_enabled() and (head.weight.requires_grad or x.requires_grad)
+        if rows < 2 or grad:
             return F.linear(x, head.weight, head.bias)
         x2 = x.reshape(rows, x.shape[-1])
-        choices = _choices.setdefault(head, {})
-        key = (rows, x.dtype)
-        if key not in choices:
-            choices[key], out = _choose(head, x2)
-        elif choices[key]:
-            out = blocked_linear(x2, head.weight, head.bias)
+        if _eligible(head, x, rows):
+            choices = _choices.setdefault(head, {})
+            key = (rows, x.dtype)
+            if key not in choices:
+                choices[key], out = _choose(head, x2)
+            elif choices[key]:
+                out = blocked_linear(x2, head.weight, head.bias)
+            else:
+                out = F.linear(x2, head.weight, head.bias)
         else:
             out = F.linear(x2, head.weight, head.bias)
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 and head.weight.dtype == torch.float32:
             redo_near_ties(head, x2, out)
         return out.reshape(*x.shape[:-1], head.weight.shape[0])
 
@@ -146,10 +150,11 @@ def _max_row_norm(head: nn.Linear) -> float:
 def row_blocked_head(model: nn.Module) -> Iterator[None]:
     """While inside, ``model``'s output embedding (a plain ``nn.Linear``) computes multi-row logits in
     row blocks where that was measured faster and bitwise identical. Re-entrant and thread-safe: the
-    forward is installed by the first entry and removed by the last exit. Other heads (another class,
-    fewer than :data:`MIN_VOCAB_ROWS` rows): no-op."""
+    forward is installed by the first entry and removed by the last exit. A head of another class is
+    left alone; one of fewer than :data:`MIN_VOCAB_ROWS` rows is never blocked, only its near ties
+    are recomputed (:func:`redo_near_ties`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear or head.out_features < MIN_VOCAB_ROWS:
+    if type(head) is not nn.Linear:
         yield
         return
     with _lock:

@@ -79,10 +79,26 @@ def test_a_blocked_way_that_differs_is_never_chosen(monkeypatch):
     assert verify_head._choices[head][(5, torch.float32)] is False and calls == [5]  # measured once, then plain
 
 
+def test_small_heads_are_not_blocked_but_their_near_ties_are_recomputed():
+    """A small vocabulary (a few thousand tokens) gains nothing from blocking, but a multi-row product
+    may still order a near tie differently from the decode step's one-row product."""
+    torch.manual_seed(1)
+    small = nn.Linear(8, 32).requires_grad_(False)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        reference = nn.functional.linear(x, small.weight, small.bias)
+        tie = reference[3].argmax()
+        small.bias[(tie + 1) % 32] += float(reference[3, tie] - reference[3, (tie + 1) % 32])  # an exact tie
+        with row_blocked_head(_Holder(small)):
+            assert "forward" in small.__dict__
+            out = small(x.view(1, 5, 8))[0]
+        decode_steps = torch.cat([nn.functional.linear(x[i : i + 1], small.weight, small.bias) for i in range(5)])
+    assert small not in verify_head._choices  # never measured for blocking
+    assert torch.equal(out[3], decode_steps[3])  # the tied row is the decode step's, bit for bit
+    assert "forward" not in small.__dict__
+
+
 def test_other_heads_and_calls_are_left_alone():
-    small = nn.Linear(8, 32)
-    with row_blocked_head(_Holder(small)):
-        assert "forward" not in small.__dict__
     head = _tall_head()
     head.weight.requires_grad_(True)
     with row_blocked_head(_Holder(head)):
