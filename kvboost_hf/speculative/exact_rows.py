@@ -12,9 +12,10 @@ So on such a target every forward after the prompt prefill (a verification, or a
 the assisted loop) routes ``kvboost_sdpa`` to :func:`row_exact_attention`: one stock SDPA call
 per query row, over exactly the keys a decode step of that row sees (the whole past, or the last
 ``sliding_window`` on a sliding layer), with the mask the decode step passes (none, or an
-all-True one once a sliding window is full: :func:`kvboost_hf.attention.decode_step_mask`). The LM head's rows are
-made exact separately (:mod:`.verify_head`). Float targets keep the batched call: their float matmuls differ by row
-count anyway (~1e-6, a near-tie caveat shared with transformers' own assisted decoding).
+all-True one once a sliding window is full: :func:`kvboost_hf.attention.decode_step_mask`). The
+LM head's rows are made exact separately (:mod:`.verify_head`). Float targets keep the batched
+call: their float matmuls differ by row count anyway (~1e-6, a near-tie caveat shared with
+transformers' own assisted decoding).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     a round-0 draft rides on the prompt prefill, which plain decoding batches) keeps the batched call.
     One row is handled too: during assisted decoding a sliding layer may hold more than its window
     (a cache filled from the store keeps its past for cropping), where plain decoding holds exactly
-    the window and calls SDPA without a mask."""
+    the window; and the call must carry the decode step's mask either way."""
     rows = query.shape[2]
     if query.shape[0] != 1 or (expected_rows is not None and rows != expected_rows):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,

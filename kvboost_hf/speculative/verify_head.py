@@ -61,10 +61,10 @@ def blocked_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out if bias is None else out + bias
 
 
-def _eligible(head: nn.Linear, x: torch.Tensor, rows: int) -> bool:
+def _blockable(head: nn.Linear, x: torch.Tensor, rows: int) -> bool:
+    """Whether a multi-row call without autograd (the forward checks both) may be computed in blocks."""
     w = head.weight
-    return (w.device.type == "cpu" and w.shape[0] >= MIN_VOCAB_ROWS and 2 <= rows <= MAX_INPUT_ROWS
-            and x.dtype == w.dtype and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+    return w.device.type == "cpu" and w.shape[0] >= MIN_VOCAB_ROWS and rows <= MAX_INPUT_ROWS and x.dtype == w.dtype
 
 
 def _choose(head: nn.Linear, x2: torch.Tensor) -> tuple[bool, torch.Tensor]:
@@ -96,7 +96,7 @@ def _forward(head: nn.Linear):
         if rows < 2 or grad:
             return F.linear(x, head.weight, head.bias)
         x2 = x.reshape(rows, x.shape[-1])
-        if _eligible(head, x, rows):
+        if _blockable(head, x, rows):
             choices = _choices.setdefault(head, {})
             key = (rows, x.dtype)
             if key not in choices:
