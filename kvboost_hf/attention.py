@@ -7,20 +7,30 @@ own name (``AttentionInterface``) together with a mask function (``AttentionMask
 registering only the attention function leaves the mask ``None`` and SDPA silently truncates
 keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``; outside a routed
 forward (a packed batch, a row-exact verification) the attention function is exactly SDPA.
+
+Scattered queries and routes are per thread. The model's config, which every thread shares,
+is switched to ``kvboost_sdpa`` once, by :func:`use_kvboost_sdpa`, and never back per request:
+a request that restored ``"sdpa"`` while another thread was mid-forward made that forward run
+unrouted (not row-exact).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "kvboost_sdpa"
 SDPA_IMPLEMENTATIONS = ("sdpa", ATTENTION_NAME)  # stock SDPA, and ours (the same kernel)
+
+logger = logging.getLogger(__name__)
+_switch_lock = threading.Lock()
 
 
 @dataclass
@@ -98,3 +108,23 @@ def register() -> str:
     AttentionInterface.register(ATTENTION_NAME, kvboost_sdpa_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, position_aware_sdpa_mask)
     return ATTENTION_NAME
+
+
+def use_kvboost_sdpa(model: nn.Module) -> bool:
+    """Name ``kvboost_sdpa`` as ``model``'s attention if it is stock SDPA; returns whether it is
+    ``kvboost_sdpa`` now (False for eager, flash and other implementations, which are left alone).
+
+    Idempotent and thread-safe, and meant to stay: outside a routed or scattered forward on the
+    calling thread ``kvboost_sdpa`` computes exactly what SDPA computes, so forwards on other
+    threads are unaffected and nothing switches back per request. The store namespace does not
+    change (:mod:`kvboost_hf.store.keys` files ``kvboost_sdpa`` as ``sdpa``)."""
+    config = model.config
+    if config._attn_implementation == ATTENTION_NAME:
+        return True
+    with _switch_lock:
+        if config._attn_implementation == "sdpa":
+            register()
+            config._attn_implementation = ATTENTION_NAME  # the setter recurses into sub-configs
+            logger.info("%s now runs attention %r (stock SDPA outside routed forwards)",
+                        type(model).__name__, ATTENTION_NAME)
+        return config._attn_implementation == ATTENTION_NAME

@@ -79,16 +79,12 @@ def route_rows(rows: int | None) -> None:
 def verifying(model: nn.Module) -> Iterator[bool]:
     """For one speculative generate call: the row-blocked LM head, and on a target that
     :func:`needs_exact_rows`, attention named ``kvboost_sdpa`` (stock SDPA until a verification
-    forward routes it). Yields whether verification forwards must route attention per row."""
-    exact = needs_exact_rows(model)
-    config = model.config
-    implementation = config._attn_implementation
-    if exact and implementation != attention.ATTENTION_NAME:
-        config._attn_implementation = attention.ATTENTION_NAME
+    forward on this thread routes it). Yields whether verification forwards must route attention
+    per row. The attention switch is made once per model and kept (:func:`attention.use_kvboost_sdpa`):
+    the config is shared by concurrent requests, so none puts it back."""
+    exact = needs_exact_rows(model) and attention.use_kvboost_sdpa(model)
     try:
         with row_blocked_head(model):
             yield exact
     finally:
         route_rows(None)
-        if config._attn_implementation != implementation:
-            config._attn_implementation = implementation

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf import ControllerSettings, attention, last_request_stats, make_draft
 from kvboost_hf.speculative import exact_rows
 from kvboost_hf.speculative.exact_rows import needs_exact_rows, route_rows, verifying
 from kvboost_hf.streaming import StreamingAWQConfig
@@ -55,7 +55,9 @@ def test_verified_rows_equal_decode_steps(family, prefix, tmp_path, monkeypatch)
         verified = _verify_hidden(target, ids, prefix)
     assert torch.equal(verified, decoded)
     assert calls and set(calls) == {1}  # one query row per SDPA call
-    assert target.config._attn_implementation == "sdpa"  # restored after the request
+    # Switched once and kept (other threads' requests share the config); stock SDPA when not routed.
+    assert target.config._attn_implementation == "kvboost_sdpa"
+    assert attention.attention_route() is None
 
 
 def test_a_float_target_keeps_the_batched_call(tmp_path):
