@@ -22,7 +22,9 @@ class BatchRunner:
     With SDPA attention a step is **one packed forward** (:mod:`.packed`): decode tokens and
     prompt chunks side by side, no padding, each row attending to its own cache. With eager
     attention a step is a padded decode forward plus padded prompt-chunk forwards
-    (:mod:`.rows_cache`).
+    (:mod:`.rows_cache`). The packed form switches the model's attention to ``kvboost_sdpa``
+    once and keeps it (:func:`kvboost_hf.attention.use_kvboost_sdpa`: stock SDPA outside a
+    routed forward; the config is shared with other threads, so no step puts it back).
     """
 
     def __init__(self, model, store=None) -> None:
@@ -31,6 +33,8 @@ class BatchRunner:
         self.device = self.model.device
         self.dtype = next(self.model.parameters()).dtype
         check_attention(self.model.config)
+        if self.packed:
+            attention.use_kvboost_sdpa(self.model)
 
     @property
     def packed(self) -> bool:
@@ -111,19 +115,14 @@ class BatchRunner:
         placeholder = torch.ones(1, 1, input_ids.shape[1], 1, dtype=torch.bool, device=self.device)
         kwargs = dict(input_ids=input_ids, position_ids=positions, attention_mask=placeholder,
                       past_key_values=cache, use_cache=True)
-        config = self.model.config
-        implementation = config._attn_implementation
-        try:
-            if implementation != attention.ATTENTION_NAME:  # stock SDPA outside packed forwards: same numerics
-                config._attn_implementation = attention.ATTENTION_NAME
-            with torch.no_grad(), packed_forward(cache):
-                if not keep.numel():
-                    self.model.base_model(**kwargs)
-                    return None
-                return list(self.model(**kwargs, logits_to_keep=keep).logits[0])
-        finally:
-            if config._attn_implementation != implementation:
-                config._attn_implementation = implementation
+        if not attention.use_kvboost_sdpa(self.model):  # e.g. set back to "eager" since the last step
+            raise RuntimeError(f"packed forward needs SDPA attention, the model now runs "
+                               f"{self.model.config._attn_implementation!r}")
+        with torch.no_grad(), packed_forward(cache):
+            if not keep.numel():
+                self.model.base_model(**kwargs)
+                return None
+            return list(self.model(**kwargs, logits_to_keep=keep).logits[0])
 
     # ------------------------------------------------------------------ padded (eager)
     def _padded_step(self, decoding: list[Sequence], prefilling: list[Sequence], chunks: list[int],

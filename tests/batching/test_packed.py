@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -10,7 +12,7 @@ from kvboost_hf import attention
 from kvboost_hf.batching import BatchLimits, BatchRunner, PackedRowsCache, RowSampling, Sequence
 from kvboost_hf.batching.packed import chunk_mask, segments_of
 from tests.batching.helpers import generate_alone, run_batch
-from tests.conftest import SLIDING_WINDOW, random_ids
+from tests.conftest import SLIDING_WINDOW, make_tiny, random_ids
 
 
 def test_segments_and_chunk_masks():
@@ -46,20 +48,71 @@ def test_one_forward_carries_decode_rows_and_window_crossing_chunks(tiny_models)
         assert seq.generated == generate_alone(model, seq.prompt_ids, seq.max_tokens, [])
 
 
-def test_model_attention_is_restored_even_when_the_forward_fails(tiny_models):
+def test_a_failed_forward_leaves_nothing_routed(tiny_models):
     model = tiny_models["llama"]
-    assert model.config._attn_implementation == "sdpa"
     runner = BatchRunner(model)
+    assert model.config._attn_implementation == attention.ATTENTION_NAME  # switched once, for good
     bad = Sequence([1, 2, model.config.vocab_size + 5], max_tokens=2, sampling=RowSampling(temperature=0), eos_ids=[])
     runner.start(bad)
     with pytest.raises(IndexError):
         runner.step([], [bad], [3])
-    assert model.config._attn_implementation == "sdpa"
     assert attention.attention_route() is None  # later forwards on this thread are plain SDPA again
     good = Sequence(random_ids(9, seed=3)[0].tolist(), max_tokens=4, sampling=RowSampling(temperature=0), eos_ids=[])
     run_batch(runner, [good], BatchLimits(2, 16))
     assert good.generated == generate_alone(model, good.prompt_ids, 4, [])
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention.ATTENTION_NAME
+
+
+def _prefill_logits(runner: BatchRunner, prompt: list[int]) -> torch.Tensor:
+    seq = Sequence(prompt, max_tokens=1, sampling=RowSampling(temperature=0), eos_ids=[])
+    runner.start(seq)
+    return runner.prefill([seq], [len(prompt)])[0]
+
+
+def test_a_step_ending_on_one_thread_does_not_unroute_one_mid_forward():
+    """Step B (a thread) is inside layer 0 when step A starts; A is inside layer 1 when B ends. Every
+    layer of A still runs packed attention: A's logits are those of A alone, bit for bit."""
+    model = make_tiny("llama", seed=7, num_layers=3)
+    prompt_a, prompt_b = random_ids(11, seed=1)[0].tolist(), random_ids(7, seed=2)[0].tolist()
+    expected = _prefill_logits(BatchRunner(model), prompt_a)
+    main = threading.current_thread()
+    b_paused, a_mid, b_done = threading.Event(), threading.Event(), threading.Event()
+    wait_s = 60  # a deadlock guard, not a timing assertion
+
+    def layer0(_module, _args):
+        if threading.current_thread() is not main and not b_paused.is_set():
+            b_paused.set()
+            a_mid.wait(wait_s)
+
+    def layer1(_module, _args):
+        if threading.current_thread() is main and not a_mid.is_set():
+            a_mid.set()
+            b_done.wait(wait_s)
+
+    errors = []
+
+    def step_b() -> None:
+        try:
+            _prefill_logits(BatchRunner(model), prompt_b)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+        finally:
+            b_done.set()
+
+    hooks = [model.model.layers[0].register_forward_pre_hook(layer0),
+             model.model.layers[1].register_forward_pre_hook(layer1)]
+    try:
+        worker = threading.Thread(target=step_b)
+        worker.start()
+        assert b_paused.wait(wait_s)
+        with torch.no_grad():
+            got = _prefill_logits(BatchRunner(model), prompt_a)
+        worker.join(wait_s)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not errors and a_mid.is_set() and b_done.is_set()
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("held", [SLIDING_WINDOW - 3, SLIDING_WINDOW - 1, 2 * SLIDING_WINDOW])
