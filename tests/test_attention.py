@@ -1,6 +1,10 @@
-"""attention.decode_step_mask: the mask transformers itself passes to SDPA for a decode step."""
+"""attention.decode_step_mask (the mask transformers itself passes to SDPA for a decode step) and the
+one-time switch to ``kvboost_sdpa``."""
 
 from __future__ import annotations
+
+import logging
+import threading
 
 import pytest
 import torch
@@ -8,6 +12,7 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvboost_hf import attention
 from kvboost_hf.attention import decode_step_mask
 from tests.conftest import SLIDING_WINDOW, make_tiny, random_ids
 
@@ -44,3 +49,35 @@ def test_decode_step_masks_are_the_ones_transformers_passes(context):
             assert mask is not None and mask.dtype == expected.dtype and torch.equal(mask.reshape(-1), expected.reshape(-1))
     full = [mask for window, keys, mask in seen if window is not None and keys >= window]
     assert bool(full) == (context + 1 >= SLIDING_WINDOW)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_kvboost_sdpa_outside_a_routed_forward_is_stock_sdpa_bit_for_bit(family):
+    """The switch is kept for good, so plain requests on a switched model must not change at all."""
+    model = make_tiny(family, seed=2)
+    ids = random_ids(SLIDING_WINDOW + 7, 5)  # beyond a sliding window: masks of both kinds
+    kw = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    assert attention.use_kvboost_sdpa(model)
+    out = model.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores))
+
+
+def test_use_kvboost_sdpa_switches_once_under_concurrent_callers(caplog):
+    model = make_tiny("llama")
+    start, results = threading.Barrier(8), []
+
+    def call() -> None:
+        start.wait(60)
+        results.append(attention.use_kvboost_sdpa(model))
+
+    with caplog.at_level(logging.INFO, logger="kvboost_hf.attention"):
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert results == [True] * 8
+    assert model.config._attn_implementation == attention.ATTENTION_NAME
+    assert sum("now runs attention" in r.getMessage() for r in caplog.records) == 1
