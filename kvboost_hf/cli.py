@@ -33,10 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         print(plan_command(args))
         return 0
     if args.command == "awq-pack":
-        from .streaming.pack import awq_pack_command
+        from .streaming.pack import PackError, awq_pack_command
 
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        print(awq_pack_command(args))
+        try:
+            print(awq_pack_command(args))
+        except PackError as err:
+            print(f"kvboost-hf awq-pack: error: {err}", file=sys.stderr)
+            return 2
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 

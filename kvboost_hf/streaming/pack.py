@@ -7,6 +7,10 @@ rounded to nearest; with ``--calibration-file`` AWQ's activation-aware input-cha
 searched per layer (q/k/v after the input norm, gate/up after the MLP norm, down after up) and
 folded into the preceding norm or ``up_proj``. Activations come from the float model (not layer
 by layer from the already-quantized one); there is no clipping search.
+
+Round-to-nearest needs no tokenizer: a checkpoint of weights and config only is packed as it is
+(the model's tokenizer, when it has one, is written with the checkpoint). Calibration text needs
+one: ``--tokenizer`` names it when the model directory holds none.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from .quantize import rtn_quantize, search_scales
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# Any of these in a model directory means it ships a tokenizer (fast, sentencepiece, BPE or WordPiece files).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                    "vocab.txt", "tekken.json")
 # (linears sharing one input, the norm before them); "mlp norm" is resolved per architecture.
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP = ("mlp.gate_proj", "mlp.up_proj")
@@ -160,6 +167,10 @@ def pack_model(
     return summary
 
 
+class PackError(ValueError):
+    """``awq-pack`` cannot do what it was asked; the CLI prints the message as one line and exits 2."""
+
+
 def add_awq_pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="float HF model directory, or 'default' for the embedded Gemma-3-270M")
     parser.add_argument("out", help="output directory for the AutoAWQ GEMM checkpoint")
@@ -167,20 +178,72 @@ def add_awq_pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-file", default=None,
                         help="text file for activation-aware scale search (without it: round-to-nearest)")
     parser.add_argument("--calibration-tokens", type=int, default=512)
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory or HF id: tokenizes --calibration-file and is written with the "
+                             "checkpoint (default: MODEL's own, when it has tokenizer files)")
     parser.add_argument("--no-zero-point", action="store_true", help="symmetric quantization (zero_point false)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", help="dtype of scales and float weights")
 
 
-def awq_pack_command(args: argparse.Namespace) -> str:
-    """Run ``kvboost-hf awq-pack``; return the line the CLI prints."""
-    from ..models import load_model
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
-    model, tokenizer = load_model(None if args.model == "default" else args.model, dtype=torch.float32)
-    ids = None
+
+def _has_tokenizer_files(path: Path) -> bool:
+    """False for a local directory without any tokenizer file; True otherwise (an HF id is asked later)."""
+    return not path.is_dir() or any((path / name).exists() for name in _TOKENIZER_FILES)
+
+
+def load_pack_tokenizer(model: str, tokenizer: str | None):
+    """``(tokenizer or None, why none)`` for packing ``model``. An explicit ``tokenizer`` that does
+    not load raises :class:`PackError`; the model's own is optional (a directory of weights and
+    config only has none; one that does not load is reported, not raised)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        local = Path(tokenizer).expanduser()
+        if (local.is_absolute() or tokenizer.startswith(".")) and not local.exists():
+            raise PackError(f"--tokenizer {tokenizer}: no such directory")
+        if not _has_tokenizer_files(local):
+            raise PackError(f"--tokenizer {tokenizer} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        try:
+            return AutoTokenizer.from_pretrained(tokenizer), ""
+        except (OSError, ValueError, ImportError) as err:
+            raise PackError(f"cannot load the tokenizer {tokenizer!r} ({_first_line(err)})") from err
+    if not _has_tokenizer_files(Path(model)):
+        return None, f"{model} has no tokenizer files"
+    try:
+        return AutoTokenizer.from_pretrained(model), ""
+    except (OSError, ValueError, ImportError) as err:  # missing files, or a slow tokenizer it cannot convert
+        return None, f"the tokenizer of {model} does not load ({_first_line(err)})"
+
+
+def awq_pack_command(args: argparse.Namespace) -> str:
+    """Run ``kvboost-hf awq-pack``; return the line the CLI prints. Raises :class:`PackError`, before
+    loading any weights, when calibration text is given but no tokenizer loads or the file cannot be read."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models import default_model_path
+
+    source = str(default_model_path()) if args.model == "default" else args.model
+    tokenizer, missing = load_pack_tokenizer(source, args.tokenizer)
+    text = None
     if args.calibration_file:
-        text = Path(args.calibration_file).read_text(encoding="utf-8")
-        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : args.calibration_tokens]
+        if tokenizer is None:
+            raise PackError(f"--calibration-file needs a tokenizer and {missing}: pass --tokenizer PATH (a directory "
+                            "or HF id with this model's tokenizer files), or drop --calibration-file to pack "
+                            "round-to-nearest")
+        try:
+            text = Path(args.calibration_file).read_text(encoding="utf-8")
+        except OSError as err:
+            raise PackError(f"cannot read --calibration-file ({_first_line(err)})") from err
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    ids = None if text is None else tokenizer(text, return_tensors="pt")["input_ids"][:, : args.calibration_tokens]
+    if tokenizer is None:
+        logger.info("packing without a tokenizer (%s): none is written with the checkpoint", missing)
     summary = pack_model(model, args.out, group_size=args.group_size, calibration_ids=ids,
                          zero_point=not args.no_zero_point, dtype=_DTYPES[args.dtype], tokenizer=tokenizer)
     mode = "activation-aware" if summary["activation_aware"] else "round-to-nearest"
-    return f"wrote {summary['path']}: {summary['linears']} int4 linears, group size {args.group_size}, {mode}"
+    note = "" if tokenizer is not None else f"; no tokenizer ({missing})"
+    return f"wrote {summary['path']}: {summary['linears']} int4 linears, group size {args.group_size}, {mode}{note}"
