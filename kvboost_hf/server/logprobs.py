@@ -45,16 +45,28 @@ def logprobs_at(logits: torch.Tensor, token_ids: list[int], top: int) -> list[To
     return out
 
 
-PROMPT_SLICE_TOKENS = 256  # prompt positions scored per forward: logits [256, vocab] (268 MB for Gemma's 262k)
+PROMPT_SLICE_TOKENS = 256  # prompt positions per forward: logits [256, vocab] (256 MiB for Gemma's 262k, fp32)
+LOGSOFTMAX_ROWS = 16  # rows of logits turned into logprobs at once: a [16, vocab] float32 temporary
+
+
+class PromptLogprobs(list):
+    """A prompt's :class:`TokenLogprob` entries, and ``cached_tokens``: prompt tokens the scoring
+    did not forward (their K/V or logprobs came from the store)."""
+
+    def __init__(self, entries=(), cached_tokens: int = 0) -> None:
+        super().__init__(entries)
+        self.cached_tokens = cached_tokens
 
 
 def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
-                    slice_tokens: int = PROMPT_SLICE_TOKENS) -> list[TokenLogprob]:
+                    slice_tokens: int = PROMPT_SLICE_TOKENS) -> PromptLogprobs:
     """Logprobs of every prompt token given the ones before it (the first has none).
 
     With ``store`` (reuse enabled on ``model``, lossless storage) and ``top`` 0, tokens whose
     logprobs the store keeps are not recomputed; see the module docstring. The prompt runs in
-    slices of ``slice_tokens`` positions, so logits never cover the whole prompt at once.
+    slices of ``slice_tokens`` positions and their logits become logprobs ``LOGSOFTMAX_ROWS``
+    rows at a time, so at most one slice's logits are alive (the memory planner's
+    ``score_bytes`` counts them).
     """
     first = TokenLogprob(prompt_ids[0], None)
     state = reuse_state(model) if store is not None else None
@@ -63,14 +75,15 @@ def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
         entries = [first, *_score(model, prompt_ids, 1, top, DynamicCache(config=model.config), slice_tokens)]
         if ns is not None:
             attach_logprobs(store, ns, prompt_ids, [e.logprob for e in entries])
-        return entries
+        return PromptLogprobs(entries)
     known = stored_logprobs(store, ns, prompt_ids)
     covered = max(len(known), 1)
+    cached = len(prompt_ids)  # all of them when the store holds every logprob: nothing is forwarded
     if covered < len(prompt_ids):
-        fresh = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens)
+        fresh, cached = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens)
         known = [first.logprob, *known[1:covered]] + [e.logprob for e in fresh]
         attach_logprobs(store, ns, prompt_ids, known)
-    return [TokenLogprob(t, None if i == 0 else known[i]) for i, t in enumerate(prompt_ids)]
+    return PromptLogprobs([TokenLogprob(t, None if i == 0 else known[i]) for i, t in enumerate(prompt_ids)], cached)
 
 
 def _namespace_or_none(model):
@@ -80,54 +93,114 @@ def _namespace_or_none(model):
         return None
 
 
+def _rows_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """:func:`logprobs_at` over ``logits[:len(token_ids)]``, ``LOGSOFTMAX_ROWS`` rows at a time (the same
+    values: log-softmax is per row)."""
+    out: list[TokenLogprob] = []
+    for start in range(0, len(token_ids), LOGSOFTMAX_ROWS):
+        stop = min(len(token_ids), start + LOGSOFTMAX_ROWS)
+        out += logprobs_at(logits[start:stop], token_ids[start:stop], top)
+    return out
+
+
 @torch.no_grad()
 def _score(model, prompt_ids: list[int], covered: int, top: int, cache, slice_tokens: int) -> list[TokenLogprob]:
     """Logprobs of ``prompt_ids[covered:]`` (``covered`` >= 1), forwarding the prompt through ``cache`` in slices.
 
     The first forward holds ``prompt_ids[:end]`` and keeps the logits of positions ``covered - 1``
     on (a reuse cache loads the stored prefix before them and runs only the rest); each later
-    forward continues the cache with the next slice.
+    forward continues the cache with the next slice. The logits at position ``p`` score token
+    ``p + 1``, which the prompt already holds, so a slice's logits are used up (and freed) before
+    the next forward runs.
     """
     n = len(prompt_ids)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     end = min(n, covered - 1 + slice_tokens)
     logits = model(input_ids=ids[:, :end], past_key_values=cache, use_cache=True,
                    logits_to_keep=end - covered + 1).logits[0]  # positions covered - 1 ... end - 1
-    out = logprobs_at(logits[:-1], prompt_ids[covered:end], top)
-    carry = logits[-1:]  # position end - 1 predicts token end
+    out = _rows_logprobs(logits, prompt_ids[covered:end + 1], top)
+    del logits
     while end < n:
         stop = min(n, end + slice_tokens)
         logits = model(input_ids=ids[:, end:stop], past_key_values=cache, use_cache=True).logits[0]
-        out += logprobs_at(torch.cat([carry, logits[:-1]]), prompt_ids[end:stop], top)
-        carry, end = logits[-1:], stop
+        out += _rows_logprobs(logits, prompt_ids[end + 1:stop + 1], top)  # positions end ... stop - 1
+        del logits
+        end = stop
     return out
 
 
 def _score_on_stored_prefix(model, state, store, prompt_ids: list[int], covered: int,
-                            slice_tokens: int) -> list[TokenLogprob]:
+                            slice_tokens: int) -> tuple[list[TokenLogprob], int]:
     """Logprobs of tokens ``covered...`` on the prefix K/V the store holds (exact hits only, else
-    from scratch); the prompt's K/V are stored afterwards, as generate would."""
+    from scratch), and how many prompt tokens were not forwarded; the prompt's K/V are stored
+    afterwards, as generate would."""
     cache = ChunkReuseCache(model.config, store)
     with torch.no_grad():
         out = _score(model, prompt_ids, covered, 0, cache, slice_tokens)
         stats = cache.stats
         if stats is None or stats.exact_tokens != stats.reused_tokens:  # never serve logprobs from lossy K/V
-            return _score(model, prompt_ids, covered, 0, DynamicCache(config=model.config), slice_tokens)
+            # From the first token: every forward stays one slice long (a DynamicCache loads nothing).
+            fresh = _score(model, prompt_ids, 1, 0, DynamicCache(config=model.config), slice_tokens)
+            return fresh[covered - 1:], 0
     finish_request(state, cache)
-    return out
+    return out, stats.reused_tokens
 
 
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_start: int = 0) -> dict:
-    """The legacy completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [token_text(tokenizer, e.token_id) for e in entries]
-    offsets, position = [], text_start
-    for token in tokens:
-        offsets.append(position)
-        position += len(token)
+OFFSET_LOOKAHEAD = 8  # characters a token's text may sit past the expected position (text not decoded from the ids)
+
+
+def text_offsets(tokenizer, token_ids: list[int], text: str, start: int = 0) -> tuple[list[str], list[int]]:
+    """Each token's text as ``text`` shows it and its offset in ``text`` (plus ``start``), so that
+    ``text[offset - start:]`` starts with the token's text.
+
+    A token whose own text sits at the current position keeps it; otherwise its text is the piece
+    that decoding it after the tokens before it adds (a separator the tokenizer inserts, a
+    character split over several byte tokens: the pieces before the last are empty), and a token
+    ``text`` omits (``<bos>`` before a prompt given as text, ``<eos>`` after a reply) has empty text.
+    """
+    shown, offsets, pos = [], [], 0
+    prefix = read = 0  # incremental decoding window (vLLM's prefix / read offsets), skipping special tokens
+    for i, token_id in enumerate(token_ids):
+        own = token_text(tokenizer, token_id)
+        if own and text.startswith(own, pos):
+            shown.append(own)
+            offsets.append(start + pos)
+            pos += len(own)
+            prefix, read = i, i + 1
+            continue
+        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
+        after = tokenizer.decode(token_ids[prefix:i + 1], skip_special_tokens=True)
+        piece = after[len(before):] if len(after) > len(before) and not after.endswith("\ufffd") else ""
+        if piece:
+            prefix, read = read, i + 1
+        at = pos if not piece or text.startswith(piece, pos) else text.find(piece, pos, pos + OFFSET_LOOKAHEAD + len(piece))
+        if at < 0:  # the text was not decoded from these ids (a prompt the tokenizer normalised): best effort
+            shown.append(own)
+            offsets.append(start + min(pos, len(text)))
+            pos = min(len(text), pos + len(piece))
+            continue
+        display = own if own and piece.endswith(own) else piece
+        shown.append(display)
+        offsets.append(start + at + len(piece) - len(display))
+        pos = at + len(piece)
+    return shown, offsets
+
+
+def completion_logprobs(tokenizer, segments: list[tuple[str, list[TokenLogprob]]]) -> dict:
+    """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset) of a
+    choice whose text is the concatenation of ``segments``' texts, each with the logprobs of its tokens
+    (with ``echo``: the prompt's, then the reply's)."""
+    tokens, offsets, entries, start = [], [], [], 0
+    for text, part in segments:
+        shown, at = text_offsets(tokenizer, [e.token_id for e in part], text, start)
+        tokens += shown
+        offsets += at
+        entries += part
+        start += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],

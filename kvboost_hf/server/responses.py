@@ -41,17 +41,19 @@ def chat_choice(tokenizer, choice: Choice, tools: list[dict[str, Any]] | None, l
 def completion_choice(tokenizer, choice: Choice, echo_text: str | None, logprobs: bool) -> schemas.CompletionChoice:
     """A completion choice; with ``echo_text`` the prompt comes first (its logprobs too, when asked)."""
     text = (echo_text or "") + choice.reply.text
-    entries = [*(choice.prompt_logprobs or []), *(choice.reply.logprobs or [])]
+    segments = [(echo_text or "", choice.prompt_logprobs or []), (choice.reply.text, choice.reply.logprobs or [])]
     return schemas.CompletionChoice(
         index=choice.index, text=text, finish_reason=choice.reply.finish_reason,
-        logprobs=completion_logprobs(tokenizer, entries) if logprobs else None,
+        logprobs=completion_logprobs(tokenizer, segments) if logprobs else None,
     )
 
 
 def usage_of(plans: list[PromptPlan], choices: list[Choice]) -> schemas.Usage:
-    """Prompt tokens once per prompt, completion tokens of every choice, cached tokens of each prompt's best."""
+    """Prompt tokens once per prompt, completion tokens of every choice, cached tokens of each prompt's best
+    (its generations', or scoring it for ``echo``: tokens not forwarded)."""
     prompt = sum(len(p.prompt_ids) for p in plans)
-    cached = sum(max((c.reply.cached_tokens for c in choices if c.plan is p), default=0) for p in plans)
+    cached = sum(max((max(c.reply.cached_tokens, getattr(c.prompt_logprobs, "cached_tokens", 0))
+                      for c in choices if c.plan is p), default=0) for p in plans)
     return schemas.Usage.of(prompt, sum(c.reply.completion_tokens for c in choices), min(cached, prompt))
 
 

@@ -46,7 +46,8 @@ async def sse_events(service, job: Job, route: str, arrival: float, deadline: fl
             elif kind == "done":
                 for choice in value:
                     service._record(route, arrival, choice.reply)
-                    for line in closing_chunks(service.tokenizer, writer, choice, params, tools):
+                    echo = echoes[choice.index // choice.plan.keep] if echoes else None
+                    for line in closing_chunks(service.tokenizer, writer, choice, params, tools, echo):
                         yield line
                 if writer.include_usage:
                     yield writer.usage(usage_of(plans, value))
@@ -65,12 +66,13 @@ async def sse_events(service, job: Job, route: str, arrival: float, deadline: fl
             logger.info("client disconnected mid-stream; generation cancelled")
 
 def closing_chunks(tokenizer, writer: ChunkWriter, choice: Choice, params: SamplingParams,
-                   tools: list[dict] | None) -> list[str]:
-    """A streamed choice's last chunks: held-back content or tool calls, logprobs, the finish reason."""
+                   tools: list[dict] | None, echo_text: str | None = None) -> list[str]:
+    """A streamed choice's last chunks: held-back content or tool calls, logprobs, the finish reason
+    (``echo_text``: the prompt streamed before the reply, which the logprobs' offsets count)."""
     reply, index = choice.reply, choice.index
     if not writer.chat:
-        entries = [*(choice.prompt_logprobs or []), *(reply.logprobs or [])]
-        logprobs = completion_logprobs(tokenizer, entries) if params.logprobs is not None else None
+        segments = [(echo_text or "", choice.prompt_logprobs or []), (reply.text, reply.logprobs or [])]
+        logprobs = completion_logprobs(tokenizer, segments) if params.logprobs is not None else None
         return [writer.text(index, "", finish=reply.finish_reason, logprobs=logprobs)]
     lines = []
     calls = tool_calls_of(choice, tools)
