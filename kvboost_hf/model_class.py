@@ -30,6 +30,9 @@ _HOOK_DICTS = (
 )
 
 _subclasses: dict[type, type] = {}
+# GenerationMixin._get_candidate_generator's parameters after generation_config and input_ids
+_CANDIDATE_ARGS = ("inputs_tensor", "logits_processor", "model_kwargs", "assistant_model", "target_tokenizer",
+                   "assistant_tokenizer")
 
 
 class ReuseGenerateMixin:
@@ -48,7 +51,10 @@ class ReuseGenerateMixin:
         from .speculative.request import candidate_generator  # noqa: PLC0415
 
         generator = super()._get_candidate_generator(generation_config, input_ids, *args, **kwargs)
-        return candidate_generator(self, generator, generation_config, input_ids)
+        named = {**dict(zip(_CANDIDATE_ARGS, args)), **kwargs}
+        return candidate_generator(self, generator, generation_config, input_ids,
+                                   logits_processor=named.get("logits_processor"),
+                                   tokenizer=named.get("target_tokenizer"))
 
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the plain model class: no reuse state, hooks or store.

@@ -16,6 +16,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .controller import DraftController
+from .draft_limits import DraftLimits
 from .exact_rows import route_rows
 from .stats import SpeculationStats
 from .verify_head import measuring_seconds
@@ -58,9 +59,10 @@ class MeasuredCandidateGenerator(CandidateGenerator):
     """Drafts through ``proposer`` with lengths chosen by ``controller``; records ``stats``."""
 
     def __init__(self, proposer: Proposer, controller: DraftController | None, stats: SpeculationStats,
-                 max_length: int, exact_rows: bool = False) -> None:
+                 max_length: int, exact_rows: bool = False, limits: DraftLimits | None = None) -> None:
         self.proposer, self.controller, self.stats, self.max_length = proposer, controller, stats, max_length
         self.exact_rows = exact_rows
+        self.limits = limits if limits else None
         self._drafted, self._draft_ms, self._drafted_at, self._measured_at, self._unseen = 0, 0.0, 0.0, 0.0, 0
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
@@ -84,12 +86,22 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         # Counted before proposing: proposing forwards the unseen tokens, after which none are left.
         self._unseen = unseen() if k > 0 else 0
         candidates, logits = self.proposer.propose(input_ids, k) if k > 0 else (input_ids, None)
+        if self.limits is not None and candidates.shape[1] > input_ids.shape[1]:
+            candidates, logits = self._limit(input_ids, candidates, logits)
         self._drafted = candidates.shape[1] - input_ids.shape[1]
         self._drafted_at, self._measured_at = time.perf_counter(), measuring_seconds()
         self._draft_ms = (self._drafted_at - start) * 1000.0
         if self.exact_rows and self.stats.rounds > 0:
             route_rows(self._drafted + 1)  # the next target forward: these candidates (or none) + 1
         return candidates, logits
+
+    def _limit(self, input_ids: torch.LongTensor, candidates: torch.LongTensor, logits: torch.Tensor | None):
+        """The proposal cut before a stop string completes or a grammar rejects a token (:mod:`.draft_limits`)."""
+        start = input_ids.shape[1]
+        keep = self.limits.allowed(input_ids, candidates[0, start:])
+        if keep == candidates.shape[1] - start:
+            return candidates, logits
+        return candidates[:, : start + keep], None if logits is None else logits[:, :keep]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         verify_ms = (time.perf_counter() - self._drafted_at) * 1000.0

@@ -25,10 +25,12 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from ..state import namespace, reuse_state
 from ..store.keys import UnfingerprintableModel
 from .controller import ControllerSettings, DraftController
+from .draft_limits import draft_limits
 from .generator import FixedProposer, MeasuredCandidateGenerator
 from .lookup import LazyStoreNgrams, LookupProposer, store_ngrams
 from .model_draft import ModelProposer
 from .ngram import LookupSettings
+from .seeded import PositionGumbel, request_seed
 from .stats import SpeculationStats
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class SpeculationRequest:
     controller: DraftController | None = None
     memory_key: object = None  # which earlier requests' costs this one starts from
     exact_rows: bool = False  # verification forwards route attention per row (exact_rows.py)
+    stopping_criteria: list = field(default_factory=list)  # the caller's, asked about drafts if side-effect free
 
 
 def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = None) -> SpeculationRequest | None:
@@ -55,6 +58,13 @@ def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = 
     assisted decoding; None when the call does not speculate. A call naming no draft, assistant or
     prompt lookup uses the model's default draft (:func:`set_default_draft`), if any and if the call
     can speculate (one sequence of ``inputs``, no beam search)."""
+    request = _prepare(model, kwargs, inputs)
+    if request is not None:
+        request.stopping_criteria = list(kwargs.get("stopping_criteria") or ())
+    return request
+
+
+def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) -> SpeculationRequest | None:
     draft = kwargs.pop("draft", None)
     settings = kwargs.pop("speculation", None)
     assistant = kwargs.get("assistant_model")
@@ -155,11 +165,27 @@ def deactivate(token: contextvars.Token) -> None:
 
 
 def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, generation_config,
-                        input_ids: torch.LongTensor) -> CandidateGenerator:
-    """The generator generate() uses for the active request (``generator`` is HF's choice)."""
+                        input_ids: torch.LongTensor, logits_processor: list | None = None,
+                        tokenizer=None) -> CandidateGenerator:
+    """The generator generate() uses for the active request (``generator`` is HF's choice).
+
+    ``logits_processor`` is the list the assisted loop applies (HF's, warpers included) and
+    ``tokenizer`` generate's ``tokenizer=``. For our drafts, a sampled request is turned into greedy
+    decoding of position-seeded Gumbel-perturbed scores (:mod:`.seeded`), and proposals are cut at
+    stop strings and grammar constraints (:mod:`.draft_limits`)."""
     request = _current.get()
     if request is None:
         return generator
+    limits = None
+    if request.kind != "hf":
+        limits = draft_limits(logits_processor, getattr(generation_config, "stop_strings", None), tokenizer,
+                              request.stopping_criteria)
+        if generation_config.do_sample:
+            _sample_by_position(generation_config, logits_processor, generator)
+        if isinstance(generator, AssistedCandidateGenerator):
+            # HF hands the draft's generate the call's stop strings without a tokenizer (it raises); the
+            # limits cut the draft at them instead.
+            generator.generation_config.stop_strings = None
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
         proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive)
     elif request.kind in LOOKUP_DRAFTS:
@@ -173,7 +199,23 @@ def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, g
         memory = state.speculation_costs.get(request.memory_key) if state is not None else None
         request.controller = DraftController(request.settings, memory)
     return MeasuredCandidateGenerator(proposer, request.controller, request.stats, generation_config.max_length,
-                                      exact_rows=request.exact_rows)
+                                      exact_rows=request.exact_rows, limits=limits)
+
+
+def _sample_by_position(generation_config, logits_processor: list | None, generator: CandidateGenerator) -> None:
+    """Make this sampled call greedy over position-seeded Gumbel-perturbed scores (see :mod:`.seeded`).
+
+    The assisted loop reads ``generation_config.do_sample`` after asking for the candidate generator
+    (pinned by a test), and applies ``logits_processor``, HF's list with the sampling warpers, to
+    every verified position; a model draft gets the same noise and greedy drafting."""
+    if logits_processor is None:
+        raise RuntimeError("transformers did not pass its logits processors to the candidate generator")
+    gumbel = PositionGumbel(request_seed())
+    logits_processor.append(gumbel)
+    generation_config.do_sample = False
+    if isinstance(generator, AssistedCandidateGenerator):
+        generator.logits_processor = [*generator.logits_processor, gumbel]
+        generator.generation_config.do_sample = False
 
 
 def finish(request: SpeculationRequest, output) -> None:

@@ -1,17 +1,18 @@
-"""Speculative sampling preserves the target's distribution; a biased acceptance rule fails the same test.
+"""Speculative sampling preserves the target's distribution; biased samplers fail the same test.
 
 On a tiny model with an 8-token vocabulary, the first generated token of many seeded draws is
 compared with the target's softmax at the prompt's end (total variation). The draft is a
-different random model, so its distribution is far from the target's: accepting every draft
-token (the biased rule) gives the draft's distribution, which the test must catch.
+different random model, so its distribution is far from the target's. A sampled speculative
+request is greedy decoding of position-seeded Gumbel-perturbed scores (kvboost_hf.speculative.seeded):
+leaving the noise out, or drawing it from one seed for every request, must be caught.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers.generation.utils as generation_utils
 
+import kvboost_hf.speculative.request as speculation_request
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
 from tests.conftest import make_tiny
 
@@ -23,14 +24,6 @@ DRAWS = 1500
 TV_BOUND = 0.06
 pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny generate calls
 ALWAYS = ControllerSettings(adaptive=False, max_tokens=3, start_tokens=1, probe_tokens=1)
-
-
-def _always_accept(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs):
-    """Deliberately wrong: keep every draft token."""
-    n = candidate_length
-    valid = candidate_input_ids[:, -n:]
-    bonus = torch.multinomial(new_logits[0, n].softmax(-1), 1)[None]
-    return torch.cat([valid, bonus], dim=1), n
 
 
 def _models():
@@ -61,21 +54,23 @@ def _tv(p: torch.Tensor, q: torch.Tensor) -> float:
     return 0.5 * float((p - q).abs().sum())
 
 
-@pytest.mark.parametrize("rule", ["hf", "biased"])
+@pytest.mark.parametrize("rule", ["ours", "no-noise", "one-seed"])
 def test_first_token_distribution(rule, reuse, monkeypatch):
     target, draft = _models()
     prompt = torch.tensor([[1, 5, 3, 6, 4]])
     p = _next_token_probs(target, prompt)
     q = _next_token_probs(draft, prompt)
     assert _tv(p, q) > 3 * TV_BOUND  # the test can tell the two distributions apart
-    if rule == "biased":
-        monkeypatch.setattr(generation_utils, "_speculative_sampling", _always_accept)
+    if rule == "no-noise":  # plain greedy: the target's mode every time
+        monkeypatch.setattr(speculation_request.PositionGumbel, "__call__", lambda self, ids, scores: scores)
+    elif rule == "one-seed":  # the same noise for every request: one outcome
+        monkeypatch.setattr(speculation_request, "request_seed", lambda: 7)
     reuse(target)
     empirical = _first_token_histogram(target, prompt, draft)
     spec = last_request_stats(target).speculation
     assert spec.speculative_rounds >= 1 and spec.drafted_tokens >= 1
     print(f"{rule}: TV(empirical, target) = {_tv(empirical, p):.4f}, TV(draft, target) = {_tv(q, p):.4f}")
-    if rule == "hf":
+    if rule == "ours":
         assert _tv(empirical, p) < TV_BOUND, (empirical, p)
     else:
         assert _tv(empirical, p) > TV_BOUND, (empirical, p)
