@@ -6,7 +6,8 @@ rather than on the instance means nothing unpicklable sits in the instance ``__d
 besides the reuse state, and that is left out when the model is copied or pickled:
 ``copy.deepcopy(model)`` and ``torch.save(model)`` give (and store) the plain model, without
 reuse hooks, state or store. Reuse is not inherited by a copy; enable it on the copy if wanted.
-One exception: with ``recompute_strategy="cacheblend"`` the model's config names the attention
+One exception: with ``recompute_strategy="cacheblend"`` (and, once they have run, on a model served in
+batch rows or an int4 target of a speculative request) the model's config names the attention
 implementation ``kvboost_sdpa`` (the config object is shared with every layer, so it cannot be
 swapped for the pickle); such a pickle loads where ``kvboost_hf`` is imported, or disable reuse
 before saving.

@@ -1,0 +1,81 @@
+"""A served draft crossed with structured output, forced tool calls, stop strings and seeds, on the real
+Gemma-3-270M (worker scheduler, where speculation runs).
+
+Before: every json_schema / json_object request and forced tool call with a draft got 500 "token N
+breaks the grammar"; stop strings let a draft run on (and ``completion_tokens`` counted past the
+stop); one seed gave different replies from run to run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kvboost_hf import ChunkStore, ControllerSettings
+from kvboost_hf.speculative import set_default_draft
+from tests.server.conftest import serve
+from tests.server.test_structured import ADD, PERSON, WEATHER
+
+pytestmark = pytest.mark.gemma
+NAME = "gemma"
+# Draft every round: whether the adaptive controller drafts depends on measured times, not the question.
+ALWAYS = ControllerSettings(adaptive=False, max_tokens=6)
+DRAFTS = ("prompt-lookup", "store")
+
+
+@pytest.fixture(scope="module")
+def server(gemma):
+    model, tokenizer = gemma
+    with serve(model, tokenizer, ChunkStore(max_bytes=400_000_000, chunk_size=32), model_name=NAME,
+               scheduler="workers") as running:
+        yield running
+
+
+def chat(server, content: str, draft=None, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 40)
+    set_default_draft(server.model, draft, ALWAYS)
+    try:
+        return server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}],
+                                                       **kw)
+    finally:
+        set_default_draft(server.model, None)
+
+
+def test_json_schema_and_tool_calls_with_a_draft_are_the_plain_replies(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    plain = chat(server, "Describe a person.", response_format=fmt)
+    tool = dict(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    plain_call = chat(server, "What is the weather in Paris?", **tool)
+    for draft, runs in (("prompt-lookup", 1), ("store", 2)):  # "store"'s second run drafts its first reply
+        for _ in range(runs):
+            out = chat(server, "Describe a person.", draft=draft, response_format=fmt)
+            assert out.choices[0].message.content == plain.choices[0].message.content, draft
+            assert out.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    call = chat(server, "What is the weather in Paris?", draft="prompt-lookup", **tool)
+    assert call.choices[0].message.tool_calls[0].function.arguments == \
+        plain_call.choices[0].message.tool_calls[0].function.arguments
+
+
+def test_stop_strings_with_a_draft_end_and_count_as_plain(server):
+    prompt = "Count: one, two, three, four, five, six, seven, eight, nine, ten. Again: one, two, three,"
+    full = chat(server, prompt, max_tokens=30).choices[0].message.content
+    stop = full.strip().split()[3]  # a word the reply reaches after a few tokens
+    plain = chat(server, prompt, max_tokens=30, stop=[stop])
+    assert plain.choices[0].finish_reason == "stop"
+    for draft in DRAFTS:
+        out = chat(server, prompt, draft=draft, max_tokens=30, stop=[stop])
+        assert out.choices[0].message.content == plain.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop"
+        assert out.usage.completion_tokens == plain.usage.completion_tokens, draft
+
+
+def test_a_seed_decides_a_sampled_reply_with_a_draft(server):
+    prompt = "Write a short story about a cat and a dog who become friends."
+    for draft in DRAFTS:
+        texts = {chat(server, prompt, draft=draft, temperature=0.9, seed=42, max_tokens=24).choices[0].message.content
+                 for _ in range(2)}
+        assert len(texts) == 1, (draft, texts)
