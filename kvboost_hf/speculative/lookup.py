@@ -20,37 +20,68 @@ from ..store.keys import Key
 from .ngram import LookupSettings, NgramIndex, Proposal
 
 STORE_LOOKUP = LookupSettings(max_ngram=6, min_ngram=2)  # one shared token says little across requests
-MAX_INDEXED_TOKENS = 1_000_000  # past this, the index is rebuilt from the chains the store holds now
+# What one indexed token costs in Python objects: an n-gram tuple key, a dict slot and a position per n-gram
+# size (5 here), plus the token in its sequence list. Measured with tracemalloc (test_lookup.py checks it).
+BYTES_PER_INDEXED_TOKEN = 1000
+INDEX_SHARE = 0.05  # the index may hold at most this share of the store's max_bytes, beyond it
+MAX_INDEXED_TOKENS = 1_000_000
 
 _indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> {namespace: StoreNgrams}
 _indexes_lock = threading.Lock()
 
 
+def index_token_budget(store: ChunkStore) -> int:
+    """How many tokens the store-wide index of ``store`` may hold: ``INDEX_SHARE`` of its ``max_bytes``."""
+    return max(1, min(MAX_INDEXED_TOKENS, int(store.max_bytes * INDEX_SHARE) // BYTES_PER_INDEXED_TOKEN))
+
+
 class StoreNgrams:
-    """The n-gram index of one namespace's stored chains, refreshed incrementally."""
+    """The n-gram index of one namespace's stored chains, refreshed incrementally and bounded in size.
+
+    Each refresh indexes only the chunks stored since the last one (a chain extended by a later turn
+    adds its new chunks, with a few tokens before them so n-grams across the seam are found; the part
+    indexed before is not indexed again). Evicted chains stay indexed (drafts are only ever verified)
+    until the index would pass ``max_tokens``; then it is rebuilt from the newest chains the store
+    holds, up to ``max_tokens``.
+    """
 
     def __init__(self, settings: LookupSettings = STORE_LOOKUP, max_tokens: int = MAX_INDEXED_TOKENS) -> None:
         self.settings, self.max_tokens = settings, max_tokens
         self.index = NgramIndex(settings)
-        self.known: set[Key] = set()
+        self.known: set[Key] = set()  # chunk keys indexed
         self.tokens = 0
-        self.rebuilt_tokens = 0  # tokens indexed right after the last rebuild (what the store held)
         self.lock = threading.Lock()
 
+    @property
+    def nbytes(self) -> int:
+        """Estimated memory of the index (``BYTES_PER_INDEXED_TOKEN`` per indexed token)."""
+        return self.tokens * BYTES_PER_INDEXED_TOKEN
+
     def refresh(self, store: ChunkStore, namespace: Key) -> None:
-        """Index the chains stored since the last refresh. Evicted chains stay indexed (they are only
-        ever verified) until the index holds more than ``max_tokens`` and twice what the store held at
-        the last rebuild; then it is rebuilt from the chains the store holds now."""
+        """Index the chunks stored since the last refresh, rebuilding if the index would grow too large."""
+        context = self.settings.max_ngram
         with self.lock:
-            rebuild = self.tokens > max(self.max_tokens, 2 * self.rebuilt_tokens)
-            if rebuild:
+            tails = store.chain_tails(namespace, self.known, context)
+            if self.tokens + sum(len(t.context) + len(t.token_ids) for t in tails) > self.max_tokens:
+                tails = self._newest(store.chain_tails(namespace, (), 0))
                 self.index, self.known, self.tokens = NgramIndex(self.settings), set(), 0
-            for key, ids in store.token_chains(namespace, skip=self.known):
-                self.index.add_sequence(ids)
-                self.known.add(key)
-                self.tokens += len(ids)
-            if rebuild:
-                self.rebuilt_tokens = self.tokens
+            for tail in tails:
+                self.index.add_sequence(tail.context + tail.token_ids)
+                self.known.update(tail.keys)
+                self.tokens += len(tail.context) + len(tail.token_ids)
+
+    def _newest(self, chains: list) -> list:
+        """The newest whole chains that fit ``max_tokens`` (oldest first); a chain too long keeps its end."""
+        kept, total = [], 0
+        for tail in reversed(chains):
+            room = self.max_tokens - total
+            if room <= 0:
+                break
+            if len(tail.token_ids) > room:
+                tail = type(tail)(tail.keys, (), tail.token_ids[len(tail.token_ids) - room:])
+            kept.append(tail)
+            total += len(tail.token_ids)
+        return kept[::-1]
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal | None:
         with self.lock:
@@ -63,7 +94,7 @@ def store_ngrams(store: ChunkStore, namespace: Key) -> StoreNgrams:
         per_store = _indexes.setdefault(store, {})
         index = per_store.get(namespace)
         if index is None:
-            index = per_store[namespace] = StoreNgrams()
+            index = per_store[namespace] = StoreNgrams(max_tokens=index_token_budget(store))
     index.refresh(store, namespace)
     return index
 

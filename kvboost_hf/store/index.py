@@ -32,6 +32,16 @@ class IndexEntry:
     bits: int | None = None
 
 
+@dataclass(frozen=True)
+class ChainTail:
+    """New chunks at the end of a stored chain: their ``keys`` (in order), ``context`` tokens just before
+    them (from chunks already seen) and their ``token_ids``."""
+
+    keys: tuple[Key, ...]
+    context: tuple[int, ...]
+    token_ids: tuple[int, ...]
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -109,6 +119,25 @@ class ChunkIndex:
                 parts.append(node.token_ids)
                 node = self._entries.get(node.parent)
             yield key, tuple(t for part in reversed(parts) for t in part)
+
+    def chain_tails(self, namespace: Key, known: Container[Key], context: int) -> Iterator[ChainTail]:
+        """The part of every leaf chain of ``namespace`` after its last chunk in ``known`` (whole chains when
+        none is), oldest chain first, with up to ``context`` tokens of the known chunk before it."""
+        for key, entry in self._entries.items():
+            if entry.namespace != namespace or key in known or self.has_children(key):
+                continue
+            keys, parts, node = [], [], entry
+            while node is not None:
+                keys.append(key)
+                parts.append(node.token_ids)
+                key = node.parent
+                node = self._entries.get(key)
+                if node is not None and key in known:
+                    before = node.token_ids[len(node.token_ids) - context:] if context else ()
+                    break
+            else:
+                before = ()
+            yield ChainTail(tuple(reversed(keys)), tuple(before), tuple(t for part in reversed(parts) for t in part))
 
     def siblings(self, parent: Key, first_token: int) -> list[Key]:
         """Chunks after ``parent`` that start with ``first_token``."""

@@ -13,7 +13,7 @@ import torch
 from .codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk, from_tensors, to_tensors
 from .disk import DiskTier
 from .eviction import ram_victim
-from .index import ANCHOR_TOKENS, ChunkIndex, IndexEntry, common_prefix_length
+from .index import ANCHOR_TOKENS, ChainTail, ChunkIndex, IndexEntry, common_prefix_length
 from .keys import Key, chunk_key, segment_spans
 from .quant import default_group_size
 from .remote import ANCHOR_TOKENS as REMOTE_ANCHOR_TOKENS
@@ -149,6 +149,12 @@ class ChunkStore:
         as ``(key of its last chunk, token ids)``; chains whose last key is in ``skip`` are left out."""
         with self._lock:
             return list(self._index.chains(namespace, skip))
+
+    def chain_tails(self, namespace: Key, known: Container[Key], context: int = 0) -> list[ChainTail]:
+        """What :meth:`token_chains` adds since ``known`` (chunk keys already read): per leaf chain, only
+        the chunks after its last known one, with ``context`` tokens before them (see ``ChunkIndex``)."""
+        with self._lock:
+            return list(self._index.chain_tails(namespace, known, context))
 
     def stats(self) -> dict:
         """Counters and sizes. ``hits``/``misses`` count lookups that reused at least one token /

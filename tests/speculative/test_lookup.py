@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_hf import last_request_stats
+from kvboost_hf import ControllerSettings, last_request_stats
 from kvboost_hf.speculative.lookup import LookupProposer, store_ngrams
 from kvboost_hf.speculative.ngram import LookupSettings, NgramIndex
 from kvboost_hf.state import namespace
@@ -65,7 +65,9 @@ def test_store_draft_proposes_a_reply_seen_in_an_earlier_request(reuse):
     prompt = random_ids(20, 50)
     ref = model.generate(prompt, max_new_tokens=16, do_sample=False)
     model.generate(prompt, max_new_tokens=16, do_sample=False)  # stored now
-    out = model.generate(prompt, max_new_tokens=16, do_sample=False, draft="store")
+    # a fixed draft length: the adaptive one follows measured times, which a loaded machine skews
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False, draft="store",
+                         speculation=ControllerSettings(adaptive=False, max_tokens=8))
     spec = last_request_stats(model).speculation
     assert torch.equal(out, ref)
     # the reply comes from the store: a prompt-only lookup has no repeats to find in random ids
@@ -93,24 +95,75 @@ def test_proposer_prefers_the_longer_match_and_cuts_after_eos():
     assert out.shape[1] == 6  # (9, 8) was never followed by anything: no draft
 
 
-def test_store_index_is_rebuilt_past_its_budget(reuse):
+def test_store_index_never_passes_its_budget_and_keeps_the_newest_chains(reuse):
     from kvboost_hf.speculative.lookup import StoreNgrams
 
     model = make_tiny("llama")
     store = reuse(model, chunk_size=4)
     key = namespace(model)
-    index = StoreNgrams(max_tokens=30)
+    index = StoreNgrams(max_tokens=50)
+    outs = []
     for seed in range(2):
-        model.generate(random_ids(20, 60 + seed), max_new_tokens=2, do_sample=False)
+        outs.append(model.generate(random_ids(20, 60 + seed), max_new_tokens=2, do_sample=False))
         index.refresh(store, key)
-    assert index.tokens == 42 and len(index.known) == 2  # two 21-token chains: 21 was within the budget
+    assert index.tokens == 42  # two 21-token chains
     store.clear()  # both chains evicted: still indexed
-    model.generate(random_ids(20, 70), max_new_tokens=2, do_sample=False)
-    index.refresh(store, key)  # 42 > 30: rebuilt from what the store holds now
-    assert index.tokens == 21 and index.rebuilt_tokens == 21 and len(index.known) == 1
-    model.generate(random_ids(20, 71), max_new_tokens=2, do_sample=False)
-    index.refresh(store, key)  # 21 <= max(30, 2 x 21): grows again
-    assert index.tokens == 42
+    newest = model.generate(random_ids(20, 70), max_new_tokens=2, do_sample=False)
+    index.refresh(store, key)  # 42 + 21 > 50: rebuilt from what the store holds now
+    assert index.tokens == 21
+    assert index.propose(newest[0, 3:9].tolist(), 4).tokens == tuple(newest[0, 9:13].tolist())
+    assert index.propose(outs[0][0, 3:9].tolist(), 4) is None  # evicted and past the budget: gone
+    for seed in range(4):
+        model.generate(random_ids(20, 80 + seed), max_new_tokens=2, do_sample=False)
+        index.refresh(store, key)
+        assert index.tokens <= 50
+
+
+def test_an_extended_chain_indexes_only_its_new_chunks(reuse):
+    from kvboost_hf.speculative.lookup import StoreNgrams
+
+    model = make_tiny("llama")
+    store = reuse(model, chunk_size=4)
+    key = namespace(model)
+    index = StoreNgrams()
+    out = model.generate(random_ids(24, 90), max_new_tokens=4, do_sample=False)
+    index.refresh(store, key)
+    first = index.tokens
+    assert first == out.shape[1] - 1
+    turn = torch.cat([out, random_ids(9, 91)], dim=1)
+    out2 = model.generate(turn, attention_mask=torch.ones_like(turn), max_new_tokens=4, do_sample=False)
+    index.refresh(store, key)
+    added = index.tokens - first
+    stored = store.token_chains(key)[0][1]
+    # only the tokens after the first chain's last whole chunk, plus the n-gram context before them
+    assert added <= len(stored) - (first // 4) * 4 + index.settings.max_ngram
+    seam = out2[0, first - 3 : first + 3].tolist()  # an n-gram across the seam continues into the new turn
+    assert index.propose(seam, 3).tokens == tuple(out2[0, first + 3 : first + 6].tolist())
+
+
+def test_the_index_byte_estimate_matches_its_measured_memory():
+    import tracemalloc
+
+    from kvboost_hf.speculative.lookup import BYTES_PER_INDEXED_TOKEN, STORE_LOOKUP
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 262_144, (20_000,), generator=g).tolist()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = NgramIndex(STORE_LOOKUP)
+    index.add_sequence(tokens)
+    per_token = (tracemalloc.get_traced_memory()[0] - before) / len(tokens)
+    tracemalloc.stop()
+    assert 0.5 * BYTES_PER_INDEXED_TOKEN < per_token < 1.5 * BYTES_PER_INDEXED_TOKEN, per_token
+
+
+def test_the_index_budget_is_a_share_of_the_store():
+    from kvboost_hf import ChunkStore
+    from kvboost_hf.speculative.lookup import BYTES_PER_INDEXED_TOKEN, INDEX_SHARE, index_token_budget
+
+    store = ChunkStore(max_bytes=100_000_000, chunk_size=8)
+    assert index_token_budget(store) * BYTES_PER_INDEXED_TOKEN <= INDEX_SHARE * store.max_bytes
+    assert index_token_budget(store) == int(100_000_000 * INDEX_SHARE) // BYTES_PER_INDEXED_TOKEN
 
 
 def test_default_draft_steps_aside_for_batches(reuse):

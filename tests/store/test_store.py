@@ -255,3 +255,16 @@ def test_token_chains_are_the_stored_sequences():
     assert [list(ids) for _, ids in chains] == [list(range(10, 23)), list(range(10, 18)) + [90, 91]]
     assert store.token_chains(NS, skip={chains[0][0]}) == [chains[1]]
     assert store.token_chains(namespace_key({"model": "other"})) == []
+
+
+def test_chain_tails_are_what_was_stored_after_the_chunks_already_read():
+    store = ChunkStore(max_bytes=10**6, chunk_size=4)
+    put(store, list(range(10, 23)))  # chunks 10-13, 14-17, 18-21, 22
+    whole = store.chain_tails(NS, known=set())
+    assert len(whole) == 1 and whole[0].token_ids == tuple(range(10, 23)) and whole[0].context == ()
+    known = set(whole[0].keys)
+    assert len(known) == 4 and store.chain_tails(NS, known) == []
+    put(store, list(range(10, 22)) + [90, 91, 92, 93, 94])  # continues after the third chunk
+    (tail,) = store.chain_tails(NS, known, context=3)
+    assert tail.token_ids == (90, 91, 92, 93, 94) and tail.context == (19, 20, 21) and len(tail.keys) == 2
+    assert store.chain_tails(namespace_key({"model": "other"}), set()) == []
