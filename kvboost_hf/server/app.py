@@ -85,7 +85,7 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     app.state.store = store
     app.state.service = service
     install_error_handlers(app)
-    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics)
+    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics, max_body_bytes=settings.max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict:
@@ -124,11 +124,30 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     return app
 
 
-class _AuthAndCount:
-    """ASGI middleware: Bearer auth on ``/v1`` routes (when a key is set) and request counting."""
+# Routes that take the API key and the body-size limit: every /v1 route and vLLM's tokenizer routes.
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+_BODY_METHODS = ("POST", "PUT", "PATCH")
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+def guarded(path: str) -> bool:
+    """Whether ``path`` needs the API key (when set) and gets the body-size limit."""
+    return path.startswith("/v1") or path in TOKENIZER_ROUTES
+
+
+def _refused_label(path: str, code: int) -> str:
+    """The metrics label of a request no route answered (a fixed set: client paths are not labels)."""
+    reason = {401: "unauthorized", 413: "body too large"}.get(code)
+    if reason is None or not guarded(path):
+        return "unmatched"
+    return f"{'/v1' if path.startswith('/v1') else path} ({reason})"
+
+
+class _AuthAndCount:
+    """ASGI middleware: Bearer auth (when a key is set) and the body-size limit on guarded routes
+    (``/v1`` and the tokenizer routes), and request counting."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, max_body_bytes: int | None = None) -> None:
+        self.app, self.api_key, self.metrics, self.max_body_bytes = app, api_key, metrics, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -143,17 +162,19 @@ class _AuthAndCount:
 
         try:
             error = self._auth_error(scope)
+            if error is None and guarded(scope["path"]) and scope.get("method") in _BODY_METHODS:
+                error, receive = await self._bounded_body(scope, receive)
             if error is not None:
                 await error.response()(scope, receive, send_and_note)
             else:
                 await self.app(scope, receive, send_and_note)
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or ("/v1 (unauthorized)" if status.get("code") == 401 else "unmatched")
-            self.metrics.observe_request(label, status.get("code", 500))
+            code = status.get("code", 500)
+            label = getattr(scope.get("route"), "path", None) or _refused_label(scope["path"], code)
+            self.metrics.observe_request(label, code)
 
     def _auth_error(self, scope) -> APIError | None:
-        if self.api_key is None or not scope["path"].startswith("/v1"):
+        if self.api_key is None or not guarded(scope["path"]):
             return None
         headers = dict(scope.get("headers") or [])
         value = headers.get(b"authorization", b"").decode("latin-1").strip()
@@ -165,3 +186,33 @@ class _AuthAndCount:
         else:
             return None
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _bounded_body(self, scope, receive):
+        """``(413 error or None, receive)``: the body read up to ``max_body_bytes`` (Content-Length is
+        checked first) and handed to the app again by the returned ``receive``."""
+        limit = self.max_body_bytes
+        if limit is None:
+            return None, receive
+        too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                                  f"(--max-body-size)", code="request_body_too_large")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if declared.isdigit() and int(declared) > limit:
+            return too_large, receive
+        messages: list[dict] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # the client left: the app sees it
+            size += len(message.get("body", b""))
+            if size > limit:
+                return too_large, receive
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+
+        return None, replay

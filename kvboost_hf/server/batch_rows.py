@@ -72,14 +72,15 @@ class BatchRow:
         """The row's reply; its logprobs stop where a stop string cut the text (as ``generate_reply``'s)."""
         seq, stats = self.seq, getattr(self.seq.cache, "stats", None)
         finish = None if seq.finish_reason == "cancelled" else seq.finish_reason
+        generated = seq.generated[: self.text.completing_length(seq.generated)]  # up to the stop, as generate_reply
         entries = None
         if seq.top_logprobs is not None:
-            shown = visible_tokens(self.tokenizer, seq.generated, self.text.text) if self.text.stopped \
-                else len(seq.generated)
+            shown = visible_tokens(self.tokenizer, generated, self.text.text) if self.text.stopped \
+                else len(generated)
             entries = [TokenLogprob(e.token_id, e.logprob, list(e.top)) for e in seq.logprobs[:shown]]
-        return Reply(text=self.text.text, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
+        return Reply(text=self.text.text, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(generated),
                      cached_tokens=stats.reused_tokens if stats is not None else 0, finish_reason=finish,
-                     first_token_at=seq.first_token_at, token_ids=list(seq.generated), logprobs=entries)
+                     first_token_at=seq.first_token_at, token_ids=list(generated), logprobs=entries)
 
 
 class JobRows:

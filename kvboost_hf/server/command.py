@@ -64,6 +64,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a request fits no full-precision plan, run it with its live K/V quantized to "
                              "these bits (8 and/or 4; approximate, no reuse; header X-Kvboost-KV-Bits) instead of 413")
     limits.add_argument("--no-memory-planning", action="store_true", help="admit every request without a memory plan")
+    limits.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
+                        help="largest request body on /v1 and the tokenizer routes; larger get 413 (default 4MiB)")
+    limits.add_argument("--grammar-cache", default="512MiB", metavar="SIZE",
+                        help="memory for compiled JSON-schema grammars, least recently used evicted (default 512MiB)")
+    limits.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="S",
+                        help="refuse (400) a JSON schema whose grammar takes longer to compile (default 5)")
+    limits.add_argument("--grammar-compile-slots", type=int, default=2, metavar="N",
+                        help="grammar compiles running at once; a request that finds none free within the "
+                             "timeout gets 503 (default 2)")
     limits.add_argument("--scheduler", choices=["batch", "workers"], default=None,
                         help="batch: continuous batching, every running request decoded in one forward per step "
                              "(default); workers: one model.generate per worker thread (the default with --draft)")
@@ -233,6 +242,10 @@ def serve(args: argparse.Namespace) -> int:
             scheduler=scheduler_of(args),
             max_batch_size=args.max_batch_size,
             max_batched_tokens=args.max_batched_tokens,
+            max_body_bytes=parse_bytes(args.max_body_size),
+            grammar_cache_bytes=parse_bytes(args.grammar_cache),
+            grammar_compile_timeout=args.grammar_compile_timeout,
+            grammar_compile_slots=args.grammar_compile_slots,
             **worker_settings(args, model_device),
         )
     except ValueError as err:

@@ -24,6 +24,7 @@ from ..quantized_cache import KIVICache
 from ..reuse import is_chunk_reuse_enabled
 from .logprobs import TokenLogprob, logprobs_at
 from .processors import sampling_processors
+from .stop_strings import StopStrings
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<
 
 @dataclass
 class SamplingParams:
-    """What to generate: ``temperature`` 0 is greedy; ``seed`` seeds torch's RNG for this request."""
+    """What to generate: ``temperature`` 0 is greedy; ``seed`` seeds a sampled request's draws (a greedy
+    request draws nothing, so its seed is unused)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -85,11 +87,16 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 class ReplyText:
-    """The visible text of a reply as tokens arrive: decoded, cut at the first stop string."""
+    """The visible text of a reply as tokens arrive: decoded, cut at the first stop string.
+
+    Stop strings are matched by :class:`StopStrings`: each update costs the decode plus the new
+    characters, whatever the stop strings' length.
+    """
 
     def __init__(self, tokenizer, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.matcher = StopStrings(stop)
         self.num_tokens = 0
         self.text = ""
         self.stopped = False
@@ -101,21 +108,33 @@ class ReplyText:
             return
         self.num_tokens = len(token_ids)
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if cuts:
-            text, self.stopped = text[: min(cuts)], True
+        cut = self.matcher.scan(text)
+        if cut is not None:
+            text, self.stopped = text[:cut], True
         self.text = text
+
+    def would_stop(self, token_ids: list[int]) -> bool:
+        """Whether the reply made of ``token_ids`` (the generated ones) holds a stop string; changes nothing."""
+        if not self.matcher.stops:
+            return False
+        return self.matcher.find(self.tokenizer.decode(token_ids, skip_special_tokens=True)) is not None
+
+    def completing_length(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` a reply that stopped keeps: up to the token that completes the stop
+        string, the count plain decoding (one token per step) reports; all of them when it did not stop.
+        Assisted decoding appends several tokens per round and can run past that token."""
+        n = len(token_ids)
+        if not self.stopped:
+            return n
+        while n > 1 and self.would_stop(token_ids[: n - 1]):
+            n -= 1
+        return n
 
     def _held_back(self) -> int:
         """Characters at the end that may still become a stop string or a complete character."""
         text = self.text
-        hold = len(text) - len(text.rstrip("\ufffd"))  # an incomplete multi-byte character
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:k]):
-                    hold = max(hold, k)
-                    break
-        return hold
+        partial = len(text) - len(text.rstrip("\ufffd"))  # an incomplete multi-byte character
+        return max(partial, self.matcher.held_back)
 
     def delta(self, final: bool = False) -> str:
         """Text not yet handed out that can no longer change (all of it when ``final``)."""
@@ -137,6 +156,12 @@ class _StopOnSignal(StoppingCriteria):
             self.reply.update(input_ids[0, self.prompt_len :].tolist())
         done = self.reply.stopped or self.cancelled()
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    def would_stop(self, input_ids: torch.LongTensor) -> bool:
+        """Whether the reply decoded from ``input_ids`` (the whole sequence, prompt included, batch 1)
+        holds a stop string. Pure: the criterion's state is left as it is (for checking a draft's
+        continuation before it is accepted)."""
+        return self.reply.would_stop(input_ids[0, self.prompt_len :].tolist())
 
 
 class _DeltaStreamer(BaseStreamer):
@@ -218,8 +243,9 @@ def generate_reply(
     elif store is not None and is_chunk_reuse_enabled(model):
         cache = ChunkReuseCache(model.config, store)
         kwargs["past_key_values"] = cache
-    with _SAMPLING_LOCK if params.temperature > 0 else contextlib.nullcontext():
-        if params.seed is not None:
+    sampled = params.temperature > 0
+    with _SAMPLING_LOCK if sampled else contextlib.nullcontext():
+        if sampled and params.seed is not None:  # greedy requests never touch the global RNG
             torch.manual_seed(params.seed)
         with torch.no_grad():
             output = model.generate(input_ids, **kwargs)
@@ -228,6 +254,8 @@ def generate_reply(
     stats = getattr(cache, "stats", None)
     cached = stats.reused_tokens if stats is not None else 0
     reply.update(generated)
+    # A draft (assisted decoding) appends several tokens per round: keep those up to the stop.
+    generated = generated[: reply.completing_length(generated)]
     if on_delta is not None:
         piece = reply.delta(final=True)
         if piece:

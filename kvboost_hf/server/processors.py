@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from starlette.concurrency import run_in_threadpool
 from transformers import LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 from .errors import APIError
+from .grammar_mask import GrammarMask
 
 
 class LogitBias(LogitsProcessor):
@@ -64,7 +64,7 @@ async def request_processors(body, schema: dict | None, param: str, grammars, to
                              eos_ids: list[int]) -> Callable[[int], list] | None:
     """A request's per-call processor factory ``make(prompt_len) -> [grammar, logit_bias, penalties]``.
 
-    None when the request needs none. Compiles the grammar now (cached), so a bad schema or token id
+    None when the request needs none. Compiles the grammar now (bounded and cached, see ``GrammarCompilers.compile``), so a bad schema or token id
     is a 400 naming ``param`` (``logit_bias``) before anything is queued.
     """
     bias = body.logit_bias or {}
@@ -75,12 +75,11 @@ async def request_processors(body, schema: dict | None, param: str, grammars, to
     presence, frequency = body.presence_penalty or 0.0, body.frequency_penalty or 0.0
     grammar = None
     if schema is not None:
-        args = (tokenizer, vocab_size, eos_ids, schema)
-        try:
-            await run_in_threadpool(grammars.json_processor, *args)  # compiles (and caches) now: a 400 here
+        try:  # compiled now, on a thread of its own (never where generation runs): a 400 here
+            compiled = await grammars.compile(tokenizer, vocab_size, eos_ids, schema)
         except ValueError as err:
             raise APIError(400, str(err), param=param, code="invalid_value") from None
-        grammar = lambda: grammars.json_processor(*args)  # noqa: E731 - a fresh matcher per call
+        grammar = lambda: GrammarMask(compiled)  # noqa: E731 - a fresh matcher per call
     if grammar is None and not bias and not presence and not frequency:
         return None
 

@@ -15,6 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 4096  # total characters of a request's stop strings
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64; candidate k of n uses seed + k, which must fit too
+MAX_TOKENS_LIMIT = 2**31 - 1  # beyond any context; the model's context gives the real bound (a 400 naming it)
 MAX_CHOICES = 16  # n, best_of and list prompts: at most this many generations per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (completions allow 5; we allow 20)
 
@@ -37,12 +40,12 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
@@ -71,12 +74,21 @@ class _SamplingRequest(BaseModel):
         stops = [s for s in stops if s]
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        total = sum(len(s) for s in stops)
+        if total > MAX_STOP_CHARS:
+            raise ValueError(f"the stop strings have {total} characters in all; at most {MAX_STOP_CHARS} are supported")
         return stops
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _zero_default(cls, value: float | None) -> float:
         return value or 0.0
+
+    def check_candidate_seeds(self, candidates: int) -> None:
+        """Candidate ``k`` of ``candidates`` samples with ``seed + k``: the last one must be an int64 too."""
+        if self.seed is not None and self.seed + candidates - 1 > SEED_MAX:
+            raise ParamError("seed", f"seed + {candidates - 1} (one seed per candidate) must be at most {SEED_MAX}: "
+                                     f"lower seed to at most {SEED_MAX - candidates + 1}")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -85,7 +97,7 @@ class CompletionRequest(_SamplingRequest):
     ``max_tokens`` 0 is allowed with ``echo`` (the prompt's logprobs only, as lm-eval asks).
     """
 
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -115,6 +127,7 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("n", f"prompts x best_of (or n) must be at most {MAX_CHOICES}")
         if self.max_tokens == 0 and not self.echo:
             raise ParamError("max_tokens", "max_tokens 0 is only allowed with echo")
+        self.check_candidate_seeds(best_of)
         return self
 
 
@@ -203,7 +216,7 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is a synonym of ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -226,6 +239,7 @@ class ChatCompletionRequest(_SamplingRequest):
             call = self.function_call
             self.tool_choice = {"type": "function", "function": call} if isinstance(call, dict) else call
         self.tool_choice = self._checked_tool_choice()
+        self.check_candidate_seeds(self.n)
         return self
 
     def _checked_tool_choice(self) -> str | dict[str, Any]:
@@ -235,7 +249,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if choice in ("auto", "required") and not self.tools:
             raise ParamError("tool_choice", f"tool_choice {choice!r} needs tools")
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
             names = [t.function.name for t in self.tools or []]
             if choice.get("type", "function") != "function" or not isinstance(name, str):
                 raise ParamError("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "

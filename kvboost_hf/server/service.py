@@ -22,7 +22,7 @@ from .admission import Admitted, MemoryAdmission, plan_headers
 from .choices import Choice, PromptPlan, candidate_params, empty_reply, rows_request, run_choices, runs_as_rows
 from .errors import APIError
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
-from .logprobs import prompt_logprobs
+from .logprobs import PROMPT_SLICE_TOKENS, prompt_logprobs
 from .metrics import ServerMetrics
 from .processors import request_processors
 from .responses import ChunkWriter, chat_choice, completion_choice, usage_of
@@ -30,6 +30,7 @@ from .scheduler import Job, QueueFullError
 from .settings import ServerSettings
 from .sse import sse_events
 from .streaming_metrics import streaming_snapshot
+from .schema_support import unsupported_construct
 from .structured import GrammarCompilers, response_format_schema
 from .tools import call_schema, plain_turns, template_renders_tools, with_tools_system
 
@@ -56,7 +57,8 @@ class Service:
         self.context = context_length(model)
         self.eos_ids = stop_token_ids(model, tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
-        self.grammars = GrammarCompilers()
+        self.grammars = GrammarCompilers(settings.grammar_cache_bytes, settings.grammar_compile_timeout,
+                                         settings.grammar_compile_slots)
         self.created = int(time.time())
         limits = [v for v in (self.context, settings.max_prompt_tokens) if v is not None]
         self.prompt_limit = min(limits) if limits else None
@@ -193,22 +195,27 @@ class Service:
     async def completion(self, body: schemas.CompletionRequest, request: Request):
         self.check_model_name(body.model)
         plans, echoes = [], []
-        for prompt in body.prompt:
-            prompt_ids = await self.completion_prompt(prompt)
-            self.check_prompt_length(len(prompt_ids))
-            params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-            candidates = body.best_of or body.n
-            admitted = self.admit(prompt_ids, max(params.max_tokens, 1), candidates, [p.admitted for p in plans])
-            plans.append(PromptPlan(admitted, candidates, body.n))
-            if body.echo:
-                same = admitted.truncated_from is None and isinstance(prompt, str)
-                echoes.append(prompt if same else self.tokenizer.decode(admitted.prompt_ids))
-        longest = max(len(p.prompt_ids) for p in plans)
-        params = self.sampling(body, longest, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        params.processors = await self.processors(body, None, "prompt")
+        echo_logprobs = body.echo and body.logprobs is not None
+        try:  # what is admitted is released if the request fails before it is queued
+            for prompt in body.prompt:
+                prompt_ids = await self.completion_prompt(prompt)
+                self.check_prompt_length(len(prompt_ids))
+                params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+                candidates = body.best_of or body.n
+                admitted = self.admit(prompt_ids, max(params.max_tokens, 1), candidates, echo_logprobs)
+                plans.append(PromptPlan(admitted, candidates, body.n))
+                if body.echo:
+                    same = admitted.truncated_from is None and isinstance(prompt, str)
+                    echoes.append(prompt if same else self.tokenizer.decode(admitted.prompt_ids))
+            longest = max(len(p.prompt_ids) for p in plans)
+            params = self.sampling(body, longest, COMPLETIONS_DEFAULT_MAX_TOKENS)
+            params.processors = await self.processors(body, None, "prompt")
+        except BaseException:
+            for plan in plans:
+                plan.admitted.release()
+            raise
         if body.logprobs is not None or (body.best_of or body.n) > body.n:
             params.logprobs = body.logprobs or 0  # best_of ranks candidates by their logprob
-        echo_logprobs = body.echo and body.logprobs is not None
         return await self.generate(request, "/v1/completions", plans, params, body, chat=False,
                                    echoes=echoes or None, echo_logprobs=echo_logprobs)
 
@@ -219,11 +226,18 @@ class Service:
         self.check_prompt_length(len(prompt_ids))
         params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens)
         forced, name = body.forced_tool
+        param = "tools" if forced else "response_format"
         try:
             schema = call_schema(tools, name) if forced else response_format_schema(body.response_format)
         except ValueError as err:
             raise APIError(400, str(err), param="response_format", code="invalid_value") from None
-        params.processors = await self.processors(body, schema, "tools" if forced else "response_format")
+        problem = unsupported_construct(schema) if schema is not None else None
+        if problem is not None:  # the grammar would allow values the schema does not: no guarantee
+            raise APIError(400, f"this JSON schema cannot be enforced exactly: {problem}", param=param,
+                           code="unsupported_schema")
+        if schema is not None:  # a structured reply ends where its grammar ends, never at a stop string
+            params.stop = []
+        params.processors = await self.processors(body, schema, param)
         if body.logprobs:
             params.logprobs = body.top_logprobs or 0
         admitted = self.admit(prompt_ids, params.max_tokens, body.n)
@@ -262,14 +276,14 @@ class Service:
                 "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
 
 
-    def admit(self, prompt_ids: list[int], max_tokens: int, copies: int = 1, alongside: list[Admitted] = ()) -> Admitted:
-        """The memory planner's decision (413 when nothing fits) for ``copies`` generations of the prompt
-        beside the request's ``alongside`` prompts (each with its own copies); everything is admitted
-        when planning is off."""
+    def admit(self, prompt_ids: list[int], max_tokens: int, copies: int = 1, score_prompt: bool = False) -> Admitted:
+        """The memory planner's decision (413 when it does not fit beside every request admitted and not ended,
+        the request's earlier prompts included) for ``copies`` generations of the prompt (``score_prompt``:
+        and scoring it); reserved until the request's job ends (``Admitted.release``). Everything is
+        admitted when planning is off."""
         if self.admission is None:
             return Admitted(prompt_ids, None)
-        held = sum(self.admission.kv_bytes(a) for a in alongside) * copies
-        return self.admission.admit(prompt_ids, max_tokens, copies=copies, alongside=held)
+        return self.admission.admit(prompt_ids, max_tokens, copies=copies, score_prompt=score_prompt)
 
 
     async def generate(self, request: Request, route: str, plans: list[PromptPlan], params: SamplingParams,
@@ -296,14 +310,27 @@ class Service:
 
             store = self.store if self.settings.reuse else None
             top = params.logprobs or 0
-            echo = (lambda ids: prompt_logprobs(self.model, ids, top, store)) if echo_logprobs else None
-            return run_choices(plans, one, job.cancelled.is_set, echo)
+
+            def score(ids: list[int]):
+                admitted = next(p.admitted for p in plans if p.prompt_ids is ids)
+                slice_tokens = (admitted.plan and admitted.plan.score_slice_tokens) or PROMPT_SLICE_TOKENS
+                measured = self.admission.running(admitted, scoring=True) if self.admission else contextlib.nullcontext()
+                with measured:
+                    return prompt_logprobs(self.model, ids, top, store, slice_tokens=slice_tokens)
+
+            return run_choices(plans, one, job.cancelled.is_set, score if echo_logprobs else None)
 
         job = Job(work)  # the worker scheduler runs work
-        if runs_as_rows(plans, params, echo_logprobs):  # the batch scheduler runs its generations as rows
-            job.request = rows_request(plans, params, stream_text)
-        # else the batch scheduler runs work whole, between steps
-        self.submit(job)
+        for plan in plans:  # each prompt's planned bytes are held until the job ends, however it ends
+            job.on_end(plan.admitted.release)
+        try:
+            if runs_as_rows(plans, params, echo_logprobs):  # the batch scheduler runs its generations as rows
+                job.request = rows_request(plans, params, stream_text)
+            # else the batch scheduler runs work whole, between steps
+            self.submit(job)
+        except BaseException:
+            job.end()  # never queued
+            raise
         response_id = schemas.new_id("chatcmpl" if chat else "cmpl")
         try:
             if stream:

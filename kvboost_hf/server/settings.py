@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from ..repair import STRATEGIES
 
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # 16 prompts of 32k token ids fit
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 2**20  # vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB)
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0  # Gemma-3's 262k vocabulary: 1.2-1.6 s for a 4-field object schema
+DEFAULT_GRAMMAR_COMPILE_SLOTS = 2
+
 # "exact": exact prefix reuse only (token-identical replies); the others also reuse stored
 # chunks found anywhere in the prompt, repaired by that strategy (approximate).
 RECOMPUTE_STRATEGIES: tuple[str, ...] = ("exact", *STRATEGIES)
@@ -31,6 +36,10 @@ class ServerSettings:
     ``scheduler`` is ``"workers"`` (the above) or ``"batch"``: continuous batching, at most
     ``max_batch_size`` requests decoded together, at most ``max_batched_tokens`` tokens forwarded
     per step (one per decoding request, the rest prompt chunks); ``workers`` is then unused.
+    What a client can make the server do is bounded too: request bodies of ``/v1`` and the tokenizer
+    routes to ``max_body_bytes`` (413); compiled grammars cached to ``grammar_cache_bytes``; a
+    schema's compile to ``grammar_compile_timeout`` seconds (400), with at most
+    ``grammar_compile_slots`` compiles running at once (503 when none frees in time).
     """
 
     model_name: str = "kvboost-hf"
@@ -50,13 +59,18 @@ class ServerSettings:
     scheduler: str = "workers"
     max_batch_size: int = 32
     max_batched_tokens: int = 160
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    grammar_compile_slots: int = DEFAULT_GRAMMAR_COMPILE_SLOTS
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in RECOMPUTE_STRATEGIES:
             raise ValueError(
                 f"recompute_strategy must be one of {', '.join(RECOMPUTE_STRATEGIES)}, got {self.recompute_strategy!r}"
             )
-        for name in ("max_prompt_tokens", "default_max_tokens", "torch_threads"):
+        for name in ("max_prompt_tokens", "default_max_tokens", "torch_threads", "max_body_bytes",
+                     "grammar_cache_bytes", "grammar_compile_slots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -66,6 +80,8 @@ class ServerSettings:
             raise ValueError(f"max_queue must be a non-negative int, got {self.max_queue!r}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout!r}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout!r}")
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit < 1):
             raise ValueError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
         if any(b not in (8, 4) for b in self.kv_bits_fallback):
