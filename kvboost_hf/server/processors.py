@@ -64,8 +64,8 @@ async def request_processors(body, schema: dict | None, param: str, grammars, to
                              eos_ids: list[int]) -> Callable[[int], list] | None:
     """A request's per-call processor factory ``make(prompt_len) -> [grammar, logit_bias, penalties]``.
 
-    None when the request needs none. Compiles the grammar now (bounded and cached, see ``GrammarCompilers.compile``), so a bad schema or token id
-    is a 400 naming ``param`` (``logit_bias``) before anything is queued.
+    None when the request needs none. Compiles the grammar now (bounded and cached: ``GrammarCompilers.compile``),
+    so a bad schema or token id is a 400 naming ``param`` (``logit_bias``) before anything is queued.
     """
     bias = body.logit_bias or {}
     bad = [t for t in bias if not 0 <= t < vocab_size]

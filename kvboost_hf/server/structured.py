@@ -144,7 +144,8 @@ class GrammarCompilers:
                     break
             if time.monotonic() >= deadline:
                 raise APIError(503, f"the server is compiling {self.max_compiling} other grammars; retry later",
-                               code="grammar_compiler_busy", headers={"Retry-After": str(max(1, round(self.timeout_s)))})
+                               code="grammar_compiler_busy",
+                               headers={"Retry-After": str(max(1, round(self.timeout_s)))})
             await asyncio.sleep(_SLOT_POLL_S)
 
         def work() -> None:
