@@ -11,6 +11,12 @@ numbers; it mutates nothing, and its settings apply to that request only. The pe
   also the scores and softmax of every head, and keys and values repeated per head under GQA);
 - the logits rows of the last position (and the processed copies generate makes).
 
+A request that scores its prompt (``echo`` with ``logprobs``: lm-eval's loglikelihood) also
+forwards the prompt with logits at every position, in slices: its peak is the larger of the
+generation's and the scoring's (:meth:`MemoryPlanner.score_bytes`: the prompt's K/V, one slice's
+activations, that slice's ``slice x vocab`` logits and the float32 log-softmax of
+``SCORE_ROWS`` of them at a time). The slice is the largest of ``SCORE_SLICES`` that fits.
+
 A prefill chunk only covers tokens that are not reused, so reuse lowers the activation and
 scratch terms; the K/V term stays (a request's cache holds its reused tokens too).
 
@@ -24,11 +30,10 @@ first; a quantized rung is approximate and reported as such, and it reads nothin
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from .capacity import ModelShape, kv_bytes_per_sequence, kv_bytes_per_token, quantized_kv_bytes_per_sequence
+from .probe import decode_step_seconds, memory_limit_bytes, process_rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,12 @@ EAGER_SCORE_COPIES = 2
 # (measured on Gemma-3-270M, 1,024-4,096 tokens: three over-predicted by 16-24%).
 KIVI_TRANSIENT_COPIES = 2
 KIVI_RESIDUAL_LENGTH = 128
+# Prompt scoring: positions per forward, cheapest (fewest forwards) first, and the rows of logits turned
+# into logprobs at once (a float32 copy and its log-softmax: two [rows, vocab] temporaries). Measured on
+# Gemma-3-270M fp32 scoring 1,000 tokens (262k vocabulary): 316 / 185 / 118 MiB at slices 256 / 128 / 64,
+# predicted 335 / 194 / 124.
+SCORE_SLICES = (256, 128, 64, 32, 16)
+SCORE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class RequestPlan:
     free_bytes: int
     fits: bool
     suggested_max_tokens: int  # the most new tokens that fit after this prompt (0: the prompt alone does not fit)
+    score_slice_tokens: int | None = None  # prompt positions per scoring forward (None: the prompt is not scored)
 
     @property
     def generate_kwargs(self) -> dict:
@@ -142,6 +154,15 @@ class MemoryPlanner:
     def logits_bytes(self) -> int:
         return 3 * self.shape.vocab_size * 4  # last-position logits, fp32, plus generate's processed copies
 
+    def score_bytes(self, prompt_tokens: int, slice_tokens: int = SCORE_SLICES[0], batch_kv_bytes: int = 0) -> int:
+        """Peak of scoring a prompt (logprobs at every position) ``slice_tokens`` positions per forward: the
+        prompt's K/V, one slice's activations, its logits (model dtype) and ``SCORE_ROWS`` rows of float32
+        log-softmax temporaries; plus ``batch_kv_bytes``."""
+        s = self.shape
+        rows = min(slice_tokens, prompt_tokens)
+        logits = rows * s.vocab_size * s.dtype_bytes + 2 * min(SCORE_ROWS, rows) * s.vocab_size * 4
+        return self.kv_bytes(prompt_tokens) + batch_kv_bytes + self.forward_bytes(rows, prompt_tokens, True) + logits
+
     def peak_bytes(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int = 0,
                    prefill_chunk_size: int | None = None, batch_kv_bytes: int = 0, kv_bits: int | None = None) -> int:
         if kv_bits is not None:
@@ -158,25 +179,46 @@ class MemoryPlanner:
 
     # ------------------------------------------------------------------ plans
     def plan(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int = 0,
-             batch_kv_bytes: int = 0) -> RequestPlan:
-        """The cheapest ``(prefill_chunk_size, kv_bits)`` rung whose predicted peak fits; ``fits=False`` with a
-        suggestion (the most new tokens that fit at the leanest rung) when none does."""
+             batch_kv_bytes: int = 0, score_prompt: bool = False) -> RequestPlan:
+        """The cheapest ``(prefill_chunk_size, kv_bits)`` rung whose predicted peak fits (and with
+        ``score_prompt``, the largest scoring slice that fits; the peak is the larger of the two);
+        ``fits=False`` with a suggestion (the most new tokens that fit at the leanest rung) when none does.
+        ``batch_kv_bytes``: what other requests hold or have reserved."""
         if prompt_tokens <= 0 or max_new_tokens < 0 or reused_tokens < 0:
             raise ValueError("prompt_tokens must be positive, max_new_tokens and reused_tokens non-negative")
-        budget = self.budget_bytes
+        rung, peak = self._generation_rung(prompt_tokens, max_new_tokens, reused_tokens, batch_kv_bytes)
+        slice_tokens, score = self._score_rung(prompt_tokens, batch_kv_bytes) if score_prompt else (None, 0)
+        if rung is not None and (slice_tokens is not None or not score_prompt):
+            return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, *rung, max(peak, score), self.free_bytes,
+                               True, max_new_tokens, slice_tokens)
+        suggestion = self.suggested_max_tokens(prompt_tokens, reused_tokens, batch_kv_bytes, limit=max_new_tokens,
+                                               score_prompt=score_prompt)
+        leanest_bits = self.kv_bits_options[-1] if self.kv_bits_options else None
+        leanest_slice = SCORE_SLICES[-1] if score_prompt else None
+        return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], leanest_bits,
+                           max(peak, score), self.free_bytes, False, suggestion, leanest_slice)
+
+    def _generation_rung(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int,
+                         batch_kv_bytes: int) -> tuple[tuple[int | None, int | None] | None, int]:
+        """The first ``(chunk, kv_bits)`` rung that fits and its peak; ``(None, leanest peak)`` when none does."""
         peak = 0
         for chunk, bits in self.rungs():
             computed = prompt_tokens - (0 if bits is not None else reused_tokens)
             if chunk is not None and chunk >= computed:
                 continue  # no smaller than one forward: the next rung is
             peak = self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, chunk, batch_kv_bytes, bits)
-            if peak <= budget:
-                return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, chunk, bits, peak, self.free_bytes,
-                                   True, max_new_tokens)
-        suggestion = self.suggested_max_tokens(prompt_tokens, reused_tokens, batch_kv_bytes, limit=max_new_tokens)
-        leanest_bits = self.kv_bits_options[-1] if self.kv_bits_options else None
-        return RequestPlan(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], leanest_bits, peak,
-                           self.free_bytes, False, suggestion)
+            if peak <= self.budget_bytes:
+                return (chunk, bits), peak
+        return None, peak
+
+    def _score_rung(self, prompt_tokens: int, batch_kv_bytes: int) -> tuple[int | None, int]:
+        """The largest scoring slice that fits and its peak; ``(None, leanest peak)`` when none does."""
+        peak = 0
+        for slice_tokens in SCORE_SLICES:
+            peak = self.score_bytes(prompt_tokens, slice_tokens, batch_kv_bytes)
+            if peak <= self.budget_bytes:
+                return slice_tokens, peak
+        return None, peak
 
     def _largest(self, fits, upper: int) -> int:
         """The largest ``n`` in ``[0, upper]`` with ``fits(n)`` (``fits`` monotone, decreasing in ``n``)."""
@@ -187,21 +229,29 @@ class MemoryPlanner:
         return lo
 
     def suggested_max_tokens(self, prompt_tokens: int, reused_tokens: int = 0, batch_kv_bytes: int = 0,
-                             limit: int = 1 << 20) -> int:
+                             limit: int = 1 << 20, score_prompt: bool = False) -> int:
         """The most new tokens that fit after this prompt (0: not even the prompt fits)."""
-        if not self._fits(prompt_tokens, 0, reused_tokens, batch_kv_bytes):
+        if not self._fits(prompt_tokens, 0, reused_tokens, batch_kv_bytes, score_prompt):
             return 0
-        return self._largest(lambda n: self._fits(prompt_tokens, n, reused_tokens, batch_kv_bytes), limit)
+        return self._largest(lambda n: self._fits(prompt_tokens, n, reused_tokens, batch_kv_bytes, score_prompt),
+                             limit)
 
-    def truncated_prompt(self, prompt_tokens: int, max_new_tokens: int, batch_kv_bytes: int = 0) -> int:
+    def truncated_prompt(self, prompt_tokens: int, max_new_tokens: int, batch_kv_bytes: int = 0,
+                         score_prompt: bool = False) -> int:
         """The longest prefix of the prompt that fits with ``max_new_tokens`` (0 when none does)."""
-        return self._largest(lambda n: n > 0 and self._fits(n, max_new_tokens, 0, batch_kv_bytes), prompt_tokens)
+        return self._largest(lambda n: n > 0 and self._fits(n, max_new_tokens, 0, batch_kv_bytes, score_prompt),
+                             prompt_tokens)
 
-    def _fits(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int, batch_kv_bytes: int) -> bool:
-        """Whether any rung fits (the leanest chunk size, at full precision or at any allowed ``kv_bits``)."""
+    def _fits(self, prompt_tokens: int, max_new_tokens: int, reused_tokens: int, batch_kv_bytes: int,
+              score_prompt: bool = False) -> bool:
+        """Whether any rung fits (the leanest chunk size, at full precision or at any allowed ``kv_bits``;
+        with ``score_prompt`` also the leanest scoring slice)."""
+        budget = self.budget_bytes
+        if score_prompt and self.score_bytes(prompt_tokens, SCORE_SLICES[-1], batch_kv_bytes) > budget:
+            return False
         return any(
             self.peak_bytes(prompt_tokens, max_new_tokens, reused_tokens, self.ladder[-1], batch_kv_bytes, bits)
-            <= self.budget_bytes
+            <= budget
             for bits in (None, *self.kv_bits_options)
         )
 
@@ -221,8 +271,6 @@ class MemoryPlanner:
             free, _ = torch.cuda.mem_get_info(first.device)
             free = min(free, memory_limit) if memory_limit else free
         else:
-            from .probe import memory_limit_bytes
-
             limit = memory_limit or memory_limit_bytes()
             free = limit - process_rss_bytes()
             if free <= 0:
@@ -233,52 +281,3 @@ class MemoryPlanner:
                       kv_bits_options=kv_bits_options)
         planner.decode_step_s = decode_step_seconds(model)
         return planner
-
-
-def process_rss_bytes() -> int:
-    """Resident memory of this process now (0 when /proc is unavailable)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-FALLBACK_DECODE_STEP_S = 0.5
-
-
-def decode_step_seconds(model, max_seconds: float = 10.0) -> float:
-    """One decode step of ``model`` (8-token prompt, then 1 token), timed; bounded by ``max_seconds``
-    (a thread; past it, or on any error, a conservative default with a log line)."""
-    import threading
-    import time
-
-    import torch
-
-    result: list[float] = []
-
-    def probe() -> None:
-        try:
-            device = next(model.parameters()).device
-            ids = torch.ones((1, 8), dtype=torch.long, device=device)
-            with torch.no_grad():
-                out = model(ids, use_cache=True, logits_to_keep=1)
-                start = time.perf_counter()
-                model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
-            result.append(time.perf_counter() - start)
-        except Exception as err:  # a probe must never stop the server from starting
-            logger.warning("decode-step probe failed (%s: %s)", type(err).__name__, err)
-
-    thread = threading.Thread(target=probe, name="kvboost-decode-probe", daemon=True)
-    thread.start()
-    thread.join(max_seconds)
-    if not result:
-        logger.warning("decode-step probe gave no figure within %.0f s; assuming %.1f s", max_seconds,
-                       FALLBACK_DECODE_STEP_S)
-        # An interpreter that exits while the probe is inside a torch op aborts ("terminate called
-        # without an active exception"): let the probe finish first.
-        import atexit
-
-        atexit.register(thread.join)
-        return FALLBACK_DECODE_STEP_S
-    return result[0]

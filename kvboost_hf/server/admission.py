@@ -1,37 +1,61 @@
 """Memory admission for the server: plan each request before it runs, refuse or truncate what cannot fit,
-and keep the calibration of predicted against measured peaks.
+hold every admitted request's planned bytes until it ends, and measure real peaks.
 
-The planner only decides (:class:`~kvboost_hf.planner.memory.MemoryPlanner`); this module
-applies its decision to a request (413 with the figures, or the longest prompt prefix that fits
-with ``--auto-truncate``), accounts the K/V of requests in flight, and measures each request's
-real peak: CUDA ``max_memory_allocated``; on CPU the resident set sampled every few
-milliseconds by a thread while the request runs (with several workers, concurrent requests
-share that figure, which the per-cohort errors make visible).
+The planner only decides (:class:`~kvboost_hf.planner.memory.MemoryPlanner`); this module applies its
+decision to a request (413 with the figures, or the longest prompt prefix that fits with
+``--auto-truncate``) and keeps the ledger of what is admitted: a request's :class:`Reservation` (its
+predicted peak beside what was already admitted) is taken when it is admitted and held while it waits
+in the queue and while it runs, until its job ends, fails or is cancelled, under either scheduler. A
+request is planned against every reservation held, so the planned total never exceeds the budget: what
+does not fit beside them is refused (413: retry when fewer requests run) before it is queued, as a
+request too large for the machine is. Measured peaks go to the :class:`~.calibration.Calibration`.
 """
 
 from __future__ import annotations
 
-import statistics
+import contextlib
+import logging
 import threading
-from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
-from ..planner.memory import MIB, MemoryPlanner, RequestPlan, process_rss_bytes
+from ..planner.memory import MIB, SCORE_SLICES, MemoryPlanner, RequestPlan
+from .calibration import Calibration, MemoryCollector, PeakMeter, residual_summary
 from .errors import APIError
 
-COHORTS = (512, 2048, 8192)  # prompt-length buckets for per-cohort calibration errors
-SAMPLE_S = 0.005
-MAX_RECORDS = 1000
+__all__ = ["Admitted", "MemoryAdmission", "MemoryCollector", "Reservation", "plan_headers", "residual_summary"]
+
+logger = logging.getLogger(__name__)
+
+
+class Reservation:
+    """The bytes one admitted request holds in the plan, from admission until :meth:`release` (idempotent)."""
+
+    def __init__(self, owner: MemoryAdmission, nbytes: int, prompt_tokens: int) -> None:
+        self.owner, self.nbytes, self.prompt_tokens = owner, nbytes, prompt_tokens
+        self.started = False
+
+    def release(self) -> None:
+        self.owner._drop(self)
 
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request the planner let in: its (possibly truncated) prompt and its plan."""
+    """A request the planner let in: its (possibly truncated) prompt, its plan and its reservation."""
 
     prompt_ids: list[int]
-    plan: RequestPlan
+    plan: RequestPlan | None
     truncated_from: int | None = None  # the original prompt length when --auto-truncate cut it
+    reservation: Reservation | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.reservation.nbytes if self.reservation is not None else 0
+
+    def release(self) -> None:
+        """Give the request's planned bytes back (when it ended, or was never queued); idempotent."""
+        if self.reservation is not None:
+            self.reservation.release()
 
 
 def plan_headers(admitted: list[Admitted]) -> dict[str, str]:
@@ -46,85 +70,108 @@ def plan_headers(admitted: list[Admitted]) -> dict[str, str]:
     return out
 
 
-class _PeakSampler:
-    """The highest resident set of this process while the ``with`` block runs, above its start."""
-
-    def __init__(self) -> None:
-        self.start = self.peak = process_rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvboost-rss-sampler", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_S):
-            self.peak = max(self.peak, process_rss_bytes())
-
-    def __enter__(self) -> _PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, process_rss_bytes())
-
-    @property
-    def delta(self) -> int:
-        return max(0, self.peak - self.start)
-
-
 class MemoryAdmission:
-    """Plans, admits and measures requests for one server."""
+    """Plans, admits (reserves), releases and measures requests for one server."""
 
     def __init__(self, planner: MemoryPlanner, auto_truncate: bool = False, device: str = "cpu") -> None:
         self.planner, self.auto_truncate, self.device = planner, auto_truncate, device
+        self.calibration = Calibration()
         self._lock = threading.Lock()
-        self._in_flight: dict[object, int] = {}  # one key per running generation -> its predicted K/V bytes
-        self._records: list[tuple[int, int, int]] = []  # (prompt tokens, predicted, measured)
+        self._reservations: set[Reservation] = set()
+        self._in_flight: dict[object, int] = {}  # one key per running generation -> its K/V bytes (a figure only)
+        self._started_high = (0, 0)  # highest (bytes, prompt tokens) of started reservations since the last take
         self.refused = self.truncated = 0
 
+    # ------------------------------------------------------------------ the ledger
+    def reserved_bytes(self) -> int:
+        """Planned bytes of every admitted request not ended yet, queued or running."""
+        with self._lock:
+            return sum(r.nbytes for r in self._reservations)
+
     def batch_kv_bytes(self) -> int:
+        """K/V bytes of the generations running now (rows, workers): a figure for ``/v1/stats``; planning uses
+        :meth:`reserved_bytes`, which covers them."""
         with self._lock:
             return sum(self._in_flight.values())
 
-    def admit(self, prompt_ids: list[int], max_new_tokens: int, copies: int = 1, alongside: int = 0) -> Admitted:
-        """The plan for this request; APIError 413 (with the planner's figures) when nothing fits.
+    def _drop(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._reservations.discard(reservation)
 
-        ``copies`` generations of this prompt run at once (``n``, ``best_of``: each holds its own
-        K/V), beside ``alongside`` bytes of K/V of the same request's other prompts: both count as
-        running K/V when planning it.
+    def mark_started(self, admitted: Admitted) -> None:
+        """The request began to run (its first row, or its job): its bytes count in the batch calibration."""
+        reservation = admitted.reservation
+        if reservation is None:
+            return
+        with self._lock:
+            if reservation in self._reservations:
+                reservation.started = True
+            self._started_high = max(self._started_high, self._started_total())
+
+    def take_started_high(self) -> tuple[int, int]:
+        """The highest (planned bytes, prompt tokens) of the started requests since the last call; starts again
+        from what is started now."""
+        with self._lock:
+            high, self._started_high = self._started_high, self._started_total()
+            return max(high, self._started_high)
+
+    def _started_total(self) -> tuple[int, int]:
+        started = [r for r in self._reservations if r.started]
+        return sum(r.nbytes for r in started), sum(r.prompt_tokens for r in started)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, prompt_ids: list[int], max_new_tokens: int, copies: int = 1, alongside: int = 0,
+              score_prompt: bool = False) -> Admitted:
+        """The plan for this request, reserved until released; APIError 413 (with the planner's figures) when
+        it does not fit beside what is already admitted.
+
+        ``copies`` generations of this prompt (``n``, ``best_of``: each holds its own K/V) and ``alongside``
+        further bytes count as running beside it; ``score_prompt``: the request scores its prompt (``echo``
+        with ``logprobs``), planned as well. The reservation is the plan's peak less what other requests
+        hold, so the reserved total stays within the planner's budget.
         """
-        siblings = (copies - 1) * self.planner.kv_bytes(len(prompt_ids) + max_new_tokens, None)
-        batch = self.batch_kv_bytes() + alongside + siblings
-        plan = self.planner.plan(len(prompt_ids), max_new_tokens, batch_kv_bytes=batch)
-        if plan.fits:
-            return Admitted(prompt_ids, plan)
-        if self.auto_truncate:
-            keep = self.planner.truncated_prompt(len(prompt_ids), max_new_tokens, batch)
-            if keep > 0:
-                self.truncated += 1
-                kept = self.planner.plan(keep, max_new_tokens, batch_kv_bytes=batch)
-                return Admitted(prompt_ids[:keep], kept, truncated_from=len(prompt_ids))
-        self.refused += 1
+        n = len(prompt_ids)
+        with self._lock:
+            others = sum(r.nbytes for r in self._reservations) + alongside
+            batch = others + (copies - 1) * self.planner.kv_bytes(n + max_new_tokens, None)
+            plan = self.planner.plan(n, max_new_tokens, batch_kv_bytes=batch, score_prompt=score_prompt)
+            if plan.fits:
+                return self._reserve(prompt_ids, plan, others)
+            if self.auto_truncate:
+                keep = self.planner.truncated_prompt(n, max_new_tokens, batch, score_prompt=score_prompt)
+                if keep > 0:
+                    self.truncated += 1
+                    kept = self.planner.plan(keep, max_new_tokens, batch_kv_bytes=batch, score_prompt=score_prompt)
+                    return self._reserve(prompt_ids[:keep], kept, others, truncated_from=n)
+            self.refused += 1
         what = (f"lower max_tokens to {plan.suggested_max_tokens}" if plan.suggested_max_tokens
                 else "shorten the prompt")
+        held = f", {others / MIB:,.0f} MiB of it planned for requests already admitted" if others else ""
         raise APIError(
             413,
-            f"this request would need about {plan.predicted_peak_bytes / MIB:,.0f} MiB at its peak, "
+            f"this request would need about {plan.predicted_peak_bytes / MIB:,.0f} MiB at its peak{held}; "
             f"{plan.free_bytes / MIB:,.0f} MiB are free for requests: {what} (or retry when fewer requests run)",
-            param="messages/prompt", code="request_too_large", details=plan.error_payload(),
+            param="messages/prompt", code="request_too_large",
+            details={**plan.error_payload(), "admitted_mb": round(others / MIB, 1)},
         )
+
+    def _reserve(self, prompt_ids: list[int], plan: RequestPlan, others: int,
+                 truncated_from: int | None = None) -> Admitted:
+        """Hold ``plan``'s peak less ``others`` (call with the lock held)."""
+        reservation = Reservation(self, max(0, plan.predicted_peak_bytes - others), plan.prompt_tokens)
+        self._reservations.add(reservation)
+        return Admitted(prompt_ids, plan, truncated_from, reservation)
 
     def kv_bytes(self, admitted: Admitted) -> int:
         """K/V bytes one generation of ``admitted`` holds at its end."""
         plan = admitted.plan
         return self.planner.kv_bytes(plan.prompt_tokens + plan.max_new_tokens, plan.kv_bits) if plan else 0
 
-    @contextmanager
-    def in_batch(self, admitted: Admitted):
-        """Account the request's K/V while it runs (``batch_kv_bytes``). A batch row gets only this:
-        rows share every forward, so a request's own peak is not observable. Each entry counts on
-        its own: the rows of one request (``n``, ``best_of``) enter with the same ``admitted``,
-        and each holds its own K/V."""
+    # ------------------------------------------------------------------ while requests run
+    @contextlib.contextmanager
+    def in_batch(self, admitted: Admitted) -> Iterator[None]:
+        """Count one generation's K/V in :meth:`batch_kv_bytes` while it runs (a batch row: rows share every
+        forward, so its own peak is not observable; the batch scheduler measures windows of steps)."""
         key = object()
         with self._lock:
             self._in_flight[key] = self.kv_bytes(admitted)
@@ -134,77 +181,42 @@ class MemoryAdmission:
             with self._lock:
                 self._in_flight.pop(key, None)
 
-    @contextmanager
-    def running(self, admitted: Admitted):
-        """Account the request's K/V while it runs (as :meth:`in_batch`), and record its predicted and
-        measured peak."""
+    @contextlib.contextmanager
+    def running(self, admitted: Admitted, scoring: bool = False) -> Iterator[None]:
+        """One generation of ``admitted`` (or, with ``scoring``, the scoring of its prompt) runs alone on this
+        thread: count it as started and running, and record the planner's peak for that call against the
+        measured one."""
         plan = admitted.plan
-        with self.in_batch(admitted):
-            if self.device == "cuda":
-                import torch
-
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-                yield
-                measured = torch.cuda.max_memory_allocated() - before
-            else:
-                with _PeakSampler() as sampler:
-                    yield
-                measured = sampler.delta
-            with self._lock:
-                self._records.append((plan.prompt_tokens, plan.predicted_peak_bytes, measured))
-                del self._records[:-MAX_RECORDS]
-
-    def stats(self) -> dict:
-        """Calibration: residuals (measured / predicted - 1) overall and per prompt-length cohort."""
-        with self._lock:
-            records = list(self._records)
-        step = self.planner.decode_step_s
-        out = {"free_mb": round(self.planner.free_bytes / MIB, 1), "margin": self.planner.margin,
-               "decode_step_ms": None if step is None else round(step * 1000, 2),
-               "refused": self.refused, "truncated": self.truncated, "requests": len(records),
-               "in_flight_kv_mb": round(self.batch_kv_bytes() / MIB, 1)}
-        out.update(residual_summary([(m / p - 1.0) for _, p, m in records if p > 0]))
-        cohorts = {}
-        bounds = (0, *COHORTS, float("inf"))
-        for lo, hi in zip(bounds, bounds[1:]):
-            errors = [(m / p - 1.0) for n, p, m in records if lo < n <= hi and p > 0]
-            if errors:
-                cohorts[f"{lo + 1}-{hi if hi != float('inf') else 'inf'}"] = residual_summary(errors)
-        out["cohorts"] = cohorts
-        return out
-
-
-def residual_summary(errors: list[float]) -> dict:
-    """Median, p95 and max of relative errors, and the margin that would have covered the p95."""
-    if not errors:
-        return {"residual_median": None, "residual_p95": None, "residual_max": None, "suggested_margin": None}
-    ordered = sorted(errors)
-    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
-    return {"residual_median": statistics.median(ordered), "residual_p95": p95, "residual_max": ordered[-1],
-            "suggested_margin": max(0.0, p95)}
-
-
-class MemoryCollector:
-    """Prometheus view of the admission's calibration and refusals, read at every scrape."""
-
-    def __init__(self, admission: Callable[[], MemoryAdmission | None]) -> None:
-        self.admission = admission  # read at every scrape: the service may swap its admission
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        admission = self.admission()
-        if admission is None:
+        self.mark_started(admitted)
+        if plan is None:
+            yield
             return
-        stats = admission.stats()
-        yield CounterMetricFamily("kvboost_memory_refused", "Requests refused with 413 by the memory planner",
-                                  value=stats["refused"])
-        yield CounterMetricFamily("kvboost_memory_truncated", "Prompts cut to fit by --auto-truncate",
-                                  value=stats["truncated"])
-        yield GaugeMetricFamily("kvboost_memory_free_bytes", "Memory the planner plans requests into",
-                                value=admission.planner.free_bytes)
-        for key in ("residual_median", "residual_p95", "residual_max", "suggested_margin"):
-            if stats[key] is not None:
-                yield GaugeMetricFamily(f"kvboost_memory_{key}", "Measured / predicted peak - 1 " + key,
-                                        value=stats[key])
+        if scoring:
+            predicted = self.planner.score_bytes(plan.prompt_tokens, plan.score_slice_tokens or SCORE_SLICES[0])
+        else:
+            predicted = self.planner.peak_bytes(plan.prompt_tokens, plan.max_new_tokens, plan.reused_tokens,
+                                                plan.prefill_chunk_size, 0, plan.kv_bits)
+        with contextlib.ExitStack() as stack:
+            if not scoring:
+                stack.enter_context(self.in_batch(admitted))
+            meter = PeakMeter(self.device).start()
+            try:
+                yield
+            finally:
+                measured = meter.stop()
+            self.calibration.record("scoring" if scoring else "generation", plan.prompt_tokens, predicted, measured)
+
+    # ------------------------------------------------------------------ figures
+    def stats(self) -> dict:
+        """Free memory, margin, refusals, what is admitted now, and the calibration's residuals."""
+        step = self.planner.decode_step_s
+        with self._lock:
+            reserved, admitted = sum(r.nbytes for r in self._reservations), len(self._reservations)
+        out = {"free_mb": round(self.planner.free_bytes / MIB, 1), "margin": self.planner.margin,
+               "budget_mb": round(self.planner.budget_bytes / MIB, 1),
+               "decode_step_ms": None if step is None else round(step * 1000, 2),
+               "refused": self.refused, "truncated": self.truncated,
+               "admitted": admitted, "reserved_mb": round(reserved / MIB, 1),
+               "in_flight_kv_mb": round(self.batch_kv_bytes() / MIB, 1)}
+        out.update(self.calibration.stats())
+        return out

@@ -11,7 +11,10 @@ row commits its confirmed K/V to the store, and when the job's last row ends the
 whole on the same thread between steps.
 
 Jobs and events are those of :mod:`~kvboost_hf.server.scheduler` (``started``, ``delta``,
-``done``, ``error``, ``cancelled``), so the routes serve both schedulers alike.
+``done``, ``error``, ``cancelled``), so the routes serve both schedulers alike. A job's memory
+reservation is held from admission (before it is queued) until its last event; the memory
+planner's calibration gets a record per window of steps (:class:`~.calibration.BatchCalibration`:
+the planned total of the started requests against the process's peak), and one per job run whole.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..batching import BatchLimits, BatchRunner, plan_step
 from .admission import MemoryAdmission
 from .batch_metrics import BatchMetrics
 from .batch_rows import BatchRow, JobRows, RowRequest, RowsRequest
+from .calibration import BatchCalibration
 from .scheduler import Job, QueueFullError
 
 __all__ = ["BatchingQueue", "RowRequest", "RowsRequest"]
@@ -53,6 +57,7 @@ class BatchingQueue:
         self.max_queue = max_queue
         self.admission = admission
         self.metrics = metrics or BatchMetrics()
+        self.calibration = BatchCalibration(admission)
         self._incoming: deque[Job] = deque()
         self._partial: deque[JobRows] = deque()  # started jobs with rows still waiting for room, oldest first
         self._rows: list[BatchRow] = []
@@ -112,12 +117,17 @@ class BatchingQueue:
                     self._cond.wait()
                 if self._stopping:
                     break
+            self.calibration.before_step()
             try:
                 self._step()
             except Exception as exc:  # a failed forward: every row of the step fails, the server keeps serving
                 logger.exception("batch step failed")
                 for row in list(self._rows):
                     self._end(row, error=exc)
+            with self._cond:
+                idle = not self._incoming and not self._rows and not self._partial
+            self.calibration.after_step(idle)
+        self.calibration.close()
         for row in list(self._rows):
             row.seq.cancel()
             self._end(row)
@@ -193,6 +203,7 @@ class BatchingQueue:
             admitted = row.request.admitted
             if admission is not None and admitted is not None and admitted.plan is not None:
                 row.resources.enter_context(admission.in_batch(admitted))  # per row: each holds its own K/V
+                admission.mark_started(admitted)
             self.runner.start(row.seq)
         except Exception as exc:
             logger.exception("starting a request failed")
@@ -207,7 +218,10 @@ class BatchingQueue:
             if not self._incoming:
                 return None
             job = self._incoming.popleft()
-        job.started_at = time.perf_counter()
+        if not job.begin():  # cancelled while it waited
+            self.skipped += 1
+            job.emit("cancelled")
+            return None
         self.metrics.observe_wait(job.started_at - job.enqueued_at)
         request = getattr(job, "request", None)
         job.emit("started", job.started_at)

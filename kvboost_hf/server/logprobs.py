@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from ..cache import ChunkReuseCache
 from ..generate import finish_request
+from ..planner.memory import SCORE_ROWS, SCORE_SLICES
 from ..state import namespace, reuse_state
 from ..store.keys import UnfingerprintableModel
 from ..store.logprobs import attach_logprobs, stored_logprobs
@@ -45,8 +46,10 @@ def logprobs_at(logits: torch.Tensor, token_ids: list[int], top: int) -> list[To
     return out
 
 
-PROMPT_SLICE_TOKENS = 256  # prompt positions per forward: logits [256, vocab] (256 MiB for Gemma's 262k, fp32)
-LOGSOFTMAX_ROWS = 16  # rows of logits turned into logprobs at once: a [16, vocab] float32 temporary
+# Prompt positions per forward by default (logits [256, vocab]: 256 MiB for Gemma's 262k, fp32; the memory
+# planner picks a smaller slice when that does not fit), and rows of logits turned into logprobs at once.
+PROMPT_SLICE_TOKENS = SCORE_SLICES[0]
+LOGSOFTMAX_ROWS = SCORE_ROWS
 
 
 class PromptLogprobs(list):
@@ -177,7 +180,9 @@ def text_offsets(tokenizer, token_ids: list[int], text: str, start: int = 0) -> 
         piece = after[len(before):] if len(after) > len(before) and not after.endswith("\ufffd") else ""
         if piece:
             prefix, read = read, i + 1
-        at = pos if not piece or text.startswith(piece, pos) else text.find(piece, pos, pos + OFFSET_LOOKAHEAD + len(piece))
+        at = pos
+        if piece and not text.startswith(piece, pos):
+            at = text.find(piece, pos, pos + OFFSET_LOOKAHEAD + len(piece))
         if at < 0:  # the text was not decoded from these ids (a prompt the tokenizer normalised): best effort
             shown.append(own)
             offsets.append(start + min(pos, len(text)))

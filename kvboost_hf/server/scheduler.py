@@ -10,7 +10,9 @@ continuous batching.
 A :class:`Job` carries the work (a callable run on the worker thread), a cancel flag the work
 polls (a ``StoppingCriteria`` during generation), and an ``asyncio.Queue`` of events that the
 worker fills through ``loop.call_soon_threadsafe``: ``("started", t)``, whatever the work
-emits, then ``("done", result)``, ``("error", exception)`` or ``("cancelled", None)``.
+emits, then ``("done", result)``, ``("error", exception)`` or ``("cancelled", None)``. What the
+job holds (its memory reservation) is given back through its :meth:`Job.on_end` callbacks, once,
+just before its last event is posted, or when it is cancelled before it starts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+END_EVENTS = ("done", "error", "cancelled")
 
 
 class QueueFullError(Exception):
@@ -42,17 +46,50 @@ class Job:
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self._loop = loop or asyncio.get_running_loop()
+        self._state = threading.Lock()
+        self._on_end: list[Callable[[], None]] = []
+
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once when the job ends (its last event), or when it is cancelled before starting."""
+        with self._state:
+            self._on_end.append(callback)
+
+    def end(self) -> None:
+        """Run the ``on_end`` callbacks now (idempotent: each runs once)."""
+        with self._state:
+            callbacks, self._on_end = self._on_end, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("a job's end callback failed")
+
+    def begin(self) -> bool:
+        """Mark the job started; False when it was cancelled first (the scheduler then skips it)."""
+        with self._state:
+            if self.cancelled.is_set():
+                return False
+            self.started_at = time.perf_counter()
+            return True
 
     def emit(self, kind: str, value: Any = None) -> None:
-        """Post an event to the awaiting coroutine (thread safe; dropped when the loop is closed)."""
+        """Post an event to the awaiting coroutine (thread safe; dropped when the loop is closed); a last
+        event (``done``, ``error``, ``cancelled``) ends the job first."""
+        if kind in END_EVENTS:
+            self.end()
         try:
             self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is gone: nobody is listening any more
             pass
 
     def cancel(self) -> None:
-        """Ask the work to stop (or never start); generation ends at the next decoding step."""
-        self.cancelled.set()
+        """Ask the work to stop (or never start); generation ends at the next decoding step. A job that has
+        not started ends now (what it holds is given back; the scheduler skips it)."""
+        with self._state:
+            self.cancelled.set()
+            started = self.started_at is not None
+        if not started:
+            self.end()
 
 
 class GenerationQueue:
@@ -106,6 +143,13 @@ class GenerationQueue:
         for thread in self._threads:
             thread.join(timeout)
         self._threads = []
+        while True:  # jobs still queued never run: they end here
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit("cancelled")
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; raises :class:`QueueFullError` when ``max_queue`` jobs already wait."""
@@ -122,12 +166,11 @@ class GenerationQueue:
                 return
             with self._lock:
                 self._waiting -= 1
-                if job.cancelled.is_set():
+                if not job.begin():
                     self.skipped += 1
                     job.emit("cancelled")
                     continue
                 self._running.add(job)
-            job.started_at = time.perf_counter()
             job.emit("started", job.started_at)
             try:
                 result = job.work(job)

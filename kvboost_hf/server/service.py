@@ -314,8 +314,8 @@ class Service:
             def score(ids: list[int]):
                 admitted = next(p.admitted for p in plans if p.prompt_ids is ids)
                 slice_tokens = (admitted.plan and admitted.plan.score_slice_tokens) or PROMPT_SLICE_TOKENS
-                measured = self.admission.running(admitted, scoring=True) if self.admission else contextlib.nullcontext()
-                with measured:
+                admission = self.admission
+                with admission.running(admitted, scoring=True) if admission else contextlib.nullcontext():
                     return prompt_logprobs(self.model, ids, top, store, slice_tokens=slice_tokens)
 
             return run_choices(plans, one, job.cancelled.is_set, score if echo_logprobs else None)

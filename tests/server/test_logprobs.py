@@ -185,3 +185,33 @@ def test_logprobs_stop_where_a_stop_string_cut_the_text(tiny_server):
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].logprobs.tokens == tokens[:first]  # the stop word's token is not part of the reply
     assert cut.choices[0].logprobs.token_logprobs == free.choices[0].logprobs.token_logprobs[:first]
+
+
+def test_prompt_scoring_holds_one_slice_of_logits_and_a_few_rows_of_log_softmax(monkeypatch):
+    """Scoring's peak is what the planner counts: a slice's logits are freed before the next forward runs,
+    and the log-softmax never covers more than LOGSOFTMAX_ROWS rows at once."""
+    import weakref
+
+    from kvboost_hf.server import logprobs as module
+    from tests.conftest import make_tiny
+
+    model = make_tiny("llama", seed=10)
+    ids = [1, *[(5 * i) % 90 + 3 for i in range(70)]]
+    alive, rows = [], []
+    hooks = [
+        model.register_forward_pre_hook(lambda *_: alive.append(sum(r() is not None for r in refs))),
+        model.register_forward_hook(lambda module, args, out: refs.append(weakref.ref(out.logits))),
+    ]
+    refs: list = []
+    log_softmax = torch.log_softmax
+    monkeypatch.setattr(torch, "log_softmax", lambda x, *a, **k: rows.append(x.shape[0]) or log_softmax(x, *a, **k))
+    try:
+        got = module.prompt_logprobs(model, ids, 2, slice_tokens=24)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(alive) == 3 and alive == [0, 0, 0]  # 71 tokens in slices of 24: no earlier logits alive
+    assert max(rows) <= module.LOGSOFTMAX_ROWS and sum(rows) == len(ids) - 1
+    ref = reference_logprobs(model, ids)
+    assert [e.logprob for e in got[1:]] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))],
+                                                         abs=TOL)
