@@ -15,7 +15,12 @@ identical to the plain one. Workloads:
    document once (cold: both models prefill it), and again after an untimed pass (``streamed-warm``:
    both prompts come from the store);
 4. repeated: the same FAQ questions asked again and templated agent steps re-emitting tool-call
-   boilerplate; each variant's store first sees one untimed pass (the scenario is repetition).
+   boilerplate; each variant's store first sees one untimed pass (the scenario is repetition);
+5. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
+   passage itself, or whatever loop the base model falls into: both are lookup's best case).
+
+Every workload with a lookup draft also runs transformers' own prompt lookup
+(``prompt_lookup_num_tokens=10``, column ``hf-prompt-lookup-10``): ours must never lose to it.
 
 Decode tok/s is (new tokens - 1) / (wall time after the first token). TTFT includes lookup,
 loading and everything generate does before the first token. Reported per variant: speed-up vs
@@ -75,6 +80,16 @@ def document_prompts(tokenizer, n: int, doc_tokens: int) -> list[torch.Tensor]:
         quote = paragraphs[min(1, len(paragraphs) - 1)][:60]
         prompt = (f"Document:\n{doc}\n\nCopy the paragraph of the document that begins with \"{quote}\", "
                   f"word for word.\n\nParagraph: {quote}")
+        prompts.append(tokenizer(prompt, return_tensors="pt")["input_ids"])
+    return prompts
+
+
+def copy_prompts(tokenizer, n: int, passage_tokens: int = 320) -> list[torch.Tensor]:
+    prompts = []
+    for text in essays()[n : 2 * n]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        passage = tokenizer.decode(ids[200 : 200 + passage_tokens])
+        prompt = f"Copy the following passage exactly, word for word.\n\nPassage:\n{passage}\n\nCopy:\n"
         prompts.append(tokenizer(prompt, return_tensors="pt")["input_ids"])
     return prompts
 
@@ -255,7 +270,7 @@ def main() -> None:
                         help="comma-separated host-source bandwidths of the streamed target in MB/s, one streamed "
                              "workload each (0: RAM speed; 1000: as in docs/streaming.md's overlap experiment)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--workloads", default="chat,document,streamed,repeated")
+    parser.add_argument("--workloads", default="chat,document,streamed,repeated,copy")
     parser.add_argument("--variants", default=None,
                         help="comma-separated variant name prefixes to run (plain always runs); their rows replace "
                              "those of docs/benchmarks/speculative.json, the other rows are kept (a partial re-run)")
@@ -270,9 +285,10 @@ def main() -> None:
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
     int4 = make_draft(model, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
     int8 = make_draft(model, bits=8, vocab=args.draft_vocab, tokenizer=tokenizer)
+    hf_lookup = {"hf-prompt-lookup-10": {"prompt_lookup_num_tokens": 10}}
     common = {"plain": {}, "prompt-lookup": {"draft": "prompt-lookup"}, "store": {"draft": "store"},
               f"int4-vocab{args.draft_vocab // 1024}k": {"draft": int4},
-              f"int8-vocab{args.draft_vocab // 1024}k": {"draft": int8}}
+              f"int8-vocab{args.draft_vocab // 1024}k": {"draft": int8}, **hf_lookup}
     chosen = args.workloads.split(",")
     wanted = args.variants.split(",") if args.variants else None
 
@@ -288,15 +304,17 @@ def main() -> None:
         result["workloads"]["chat"] = bench_workload(model, None, only(common), args, eos, store_bytes, chat=chat,
                                                      tokenizer=tokenizer)
     if "document" in chosen:
-        variants = {**common, "hf-prompt-lookup-10": {"prompt_lookup_num_tokens": 10}}
         prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
-        result["workloads"]["document"] = bench_workload(model, prompts, only(variants), args, eos, store_bytes)
+        result["workloads"]["document"] = bench_workload(model, prompts, only(common), args, eos, store_bytes)
     if "repeated" in chosen:
         prompts = repeated_prompts(tokenizer)[:: 4 if args.quick else 1]
-        variants = {k: common[k] for k in ("plain", "prompt-lookup", "store")}
-        variants["hf-prompt-lookup-10"] = {"prompt_lookup_num_tokens": 10}
+        variants = {k: common[k] for k in ("plain", "prompt-lookup", "store", *hf_lookup)}
         result["workloads"]["repeated"] = bench_workload(model, prompts, only(variants), args, eos, store_bytes,
                                                          warm_pass=True)
+    if "copy" in chosen:
+        prompts = copy_prompts(tokenizer, 1 if args.quick else args.documents)
+        variants = {k: common[k] for k in ("plain", "prompt-lookup", "store", *hf_lookup)}
+        result["workloads"]["copy"] = bench_workload(model, prompts, only(variants), args, eos, store_bytes)
     if "streamed" in chosen:
         prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
         for mbps in (float(x) for x in args.awq_throttle_mbps.split(",")):

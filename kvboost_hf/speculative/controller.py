@@ -9,8 +9,14 @@ The rule (documented in docs/speculative.md):
 - Acceptance follows the usual geometric model: each draft token is accepted with probability
   ``alpha`` given the previous one was. ``alpha`` is estimated from recent rounds (accepted
   tokens over accepted tokens plus rejections, decayed per round, starting from a weak prior).
-- Costs are linear fits of measured wall time: a round verifying ``k`` tokens costs
-  ``plain + verify_slope * k`` in the target plus ``draft_per_token * k`` in the draft.
+- Costs are measured wall time: a round verifying ``k`` tokens costs ``verify(k)`` in the target
+  plus ``draft_per_token * k`` in the draft. ``verify(k)`` is kept per drafted count (an average of
+  the rounds that verified that many) and interpolated between counts, from ``verify(0) = plain``;
+  past the largest count measured it is extended with the last segment's slope. A forward over
+  ``k + 1`` rows costs far less than ``k + 1`` steps and its cost per row falls as ``k`` grows (the
+  weights are read once), so one slope fitted at small ``k`` would overprice long drafts: where
+  nearly every draft token is accepted (copying), the draft length grows until the measured costs
+  stop paying for it.
 - The draft length is the ``k`` in ``1..max_tokens`` that maximises expected tokens per second,
   ``(1 - alpha^(k+1)) / (1 - alpha) / cost(k)``. If that rate is under ``min_gain`` times the
   plain rate ``1 / plain``, speculation is switched off for ``backoff_rounds`` rounds, then one
@@ -81,6 +87,7 @@ class CostMemory:
     accepted: float = 0.0
     rejected: float = 0.0
     catch_up_ms_per_token: float | None = None
+    verify_ms_at: dict[int, float] | None = None  # verify(k) per drafted count k
 
 
 class _Ema:
@@ -105,6 +112,7 @@ class DraftController:
         self.verify_slope_ms = _Ema()
         self.draft_ms_per_token = _Ema()
         self.catch_up_ms_per_token = _Ema()
+        self.verify_at: dict[int, _Ema] = {}
         self.drafted_rounds = 0
         self.off_until = -1
         self.backoff = self.settings.backoff_rounds
@@ -113,6 +121,8 @@ class DraftController:
             self.plain_ms.value, self.verify_slope_ms.value = memory.plain_ms, memory.verify_slope_ms
             self.draft_ms_per_token.value = memory.draft_ms_per_token
             self.catch_up_ms_per_token.value = memory.catch_up_ms_per_token
+            for k, value in (memory.verify_ms_at or {}).items():
+                self.verify_at.setdefault(k, _Ema()).value = value
             total = memory.accepted + memory.rejected
             if total > 0:  # the earlier requests' acceptance, as a prior worth PRIOR_WEIGHT rounds
                 self.accepted = PRIOR_WEIGHT * memory.accepted / total
@@ -121,7 +131,8 @@ class DraftController:
     def memory(self) -> CostMemory:
         """The current estimates, to start the next request with the same draft from."""
         return CostMemory(self.plain_ms.value, self.verify_slope_ms.value, self.draft_ms_per_token.value,
-                          self.accepted, self.rejected, self.catch_up_ms_per_token.value)
+                          self.accepted, self.rejected, self.catch_up_ms_per_token.value,
+                          {k: e.value for k, e in self.verify_at.items()})
 
     @property
     def alpha(self) -> float:
@@ -171,7 +182,7 @@ class DraftController:
         draft = max(0.0, self.draft_ms_per_token.value or 0.0)
         best_k, best_rate = 0, 0.0
         for k in range(1, s.max_tokens + 1):
-            rate = expected_tokens(self.alpha, k) / (plain + (slope + draft) * k)
+            rate = expected_tokens(self.alpha, k) / (self.verify_ms(k) + draft * k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_rate * plain >= s.min_gain:
@@ -185,6 +196,18 @@ class DraftController:
             self.backoff *= 2
         self.off_until = self.round + self.backoff
         return 0
+
+    def verify_ms(self, k: int) -> float:
+        """Predicted target time of a round verifying ``k`` draft tokens (see the module doc)."""
+        plain = self.plain_ms.value
+        points = [(0, plain)] + sorted((n, e.value) for n, e in self.verify_at.items() if e.value is not None)
+        if len(points) == 1:
+            return plain + max(0.0, self.verify_slope_ms.value or 0.0) * k
+        for (k0, v0), (k1, v1) in zip(points, points[1:]):
+            if k <= k1:
+                return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
+        (k0, v0), (k1, v1) = points[-2], points[-1]
+        return v1 + max(0.0, (v1 - v0) / (k1 - k0)) * (k - k1)
 
     def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float, unseen: int = 0) -> None:
         """Learn from the round just verified: ``drafted`` candidates, ``accepted`` of them kept; the
@@ -201,6 +224,7 @@ class DraftController:
         self.rejected = self.rejected * decay + (1.0 if accepted < drafted else 0.0)
         if self.plain_ms.value is not None:
             self.verify_slope_ms.add((verify_ms - self.plain_ms.value) / drafted)
+        self.verify_at.setdefault(drafted, _Ema()).add(verify_ms)
         self.drafted_rounds += 1
         per_token = self.draft_ms_per_token.value
         if unseen > ROUND_TOKENS:  # a round that caught the draft up: its time is mostly that forward

@@ -63,13 +63,31 @@ class NgramIndex:
                 self._where[tuple(seq[end - n : end])] = (index, end)
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal | None:
-        """Up to ``max_tokens`` tokens that followed the longest n-gram ending ``context``, or None."""
+        """Up to ``max_tokens`` tokens that followed the longest n-gram ending ``context``, or None.
+
+        A continuation that runs into the end of its sequence is continued by looking up again after
+        it (``context`` and the tokens drafted so far): in text that repeats, the most recent occurrence
+        of an n-gram is one period back, and its continuation alone stops short at the sequence's end
+        (the loops of greedy decoding, copied lists). ``ngram`` is the first match's length."""
         if max_tokens <= 0:
             return None
+        first = self._continuation(context, max_tokens)
+        if first is None:
+            return None
+        tokens, ngram = list(first[0]), first[1]
+        while 0 < len(tokens) < max_tokens:
+            more = self._continuation([*context[len(context) - self.settings.max_ngram :], *tokens],
+                                      max_tokens - len(tokens))
+            if more is None or not more[0]:
+                break
+            tokens.extend(more[0])
+        return Proposal(tuple(tokens), ngram)
+
+    def _continuation(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int] | None:
         lo, hi = self.settings.min_ngram, self.settings.max_ngram
         for n in range(min(hi, len(context)), lo - 1, -1):
             hit = self._where.get(tuple(context[len(context) - n :]))
             if hit is not None:
                 seq = self.sequences[hit[0]]
-                return Proposal(tuple(seq[hit[1] : hit[1] + max_tokens]), n)
+                return seq[hit[1] : hit[1] + max_tokens], n
         return None

@@ -135,3 +135,30 @@ def test_a_min_gain_at_or_below_one_allows_any_catch_up():
     default = DraftController(memory=first.memory())
     default.observe(0, 0, 0.0, 100.0)
     assert default.choose(600, 10) == 0  # the same catch-up under the default min_gain
+
+
+def test_short_proposals_do_not_make_long_drafts_look_expensive():
+    """Measured on CPU: a forward of k + 1 rows costs far less than k + 1 steps, less per row as k grows.
+    A lookup often proposes fewer tokens than asked (the match ends): rounds of 2 tokens then priced
+    every long draft at their per-token slope. Costs kept per drafted count do not mix them up."""
+    costs = {0: 100.0, 1: 150.0, 2: 180.0, 4: 220.0, 8: 270.0, 16: 330.0}  # a concave cost curve
+
+    def verify(k):  # piecewise linear through the points above
+        ks = sorted(costs)
+        for k0, k1 in zip(ks, ks[1:]):
+            if k <= k1:
+                return costs[k0] + (costs[k1] - costs[k0]) * (k - k0) / (k1 - k0)
+        return costs[16]
+
+    c = DraftController(ControllerSettings(max_tokens=16))
+    chosen = []
+    for i in range(60):
+        k = c.choose()
+        drafted = min(k, 2) if i % 2 else k  # every other proposal is cut short
+        c.observe(drafted, drafted if i % 7 else max(0, drafted - 2), 0.1 * drafted, verify(drafted))
+        chosen.append(k)
+    assert min(chosen[-20:]) >= 15, chosen  # a single slope: 11..16
+    assert abs(c.verify_ms(16) - 330.0) < 1.0 and abs(c.verify_ms(6) - 245.0) < 1.0
+    linear = DraftController(ControllerSettings(max_tokens=16))
+    linear.plain_ms.value, linear.verify_slope_ms.value = 100.0, 30.0  # only a slope known: linear pricing
+    assert linear.verify_ms(16) == 100.0 + 30.0 * 16

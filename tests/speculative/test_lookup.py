@@ -178,3 +178,13 @@ def test_default_draft_steps_aside_for_batches(reuse):
                        ref_model.generate(batch, max_new_tokens=3, do_sample=False))
     assert torch.equal(model.generate(batch[:1], max_new_tokens=3, do_sample=False, num_beams=2),
                        ref_model.generate(batch[:1], max_new_tokens=3, do_sample=False, num_beams=2))
+
+
+def test_a_continuation_cut_by_the_sequence_end_is_looked_up_again():
+    """Repeating text: the most recent occurrence is one period back and its continuation stops at the end."""
+    index = NgramIndex(LookupSettings(max_ngram=3, min_ngram=1))
+    index.add_sequence([9, 1, 2, 3, 1, 2, 3, 1, 2])
+    assert index.propose([3, 1, 2], 7).tokens == (3, 1, 2, 3, 1, 2, 3)
+    index.add_sequence([20, 21, 22, 23, 24, 30, 22, 23])  # (22, 23) -> 24, then (23, 24) -> 30, ...
+    proposal = index.propose([5, 22, 23], 5)
+    assert proposal.tokens == (24, 30, 22, 23, 24) and proposal.ngram == 2
