@@ -88,12 +88,17 @@ class GrammarCompilers:
 
     @staticmethod
     def _compile(compiler, text: str):
+        """Compile ``text``; ``ValueError`` when xgrammar refuses it, or when it admits no value at all
+        (e.g. ``{"$ref": "#"}``) though the vocabulary can spell JSON."""
         import xgrammar as xgr
 
         try:
-            return compiler.compile_json_schema(text, any_whitespace=False)
+            compiled = compiler.compile_json_schema(text, any_whitespace=False)
         except (RuntimeError, ValueError, xgr.InvalidJSONError) as err:
             raise ValueError(f"the JSON schema cannot be compiled into a grammar: {err}") from None
+        if not _can_start(compiled) and _can_start(compiler.compile_builtin_json_grammar()):
+            raise ValueError("the JSON schema admits no value (a $ref cycle without a way out?)")
+        return compiled
 
     def json_processor(self, tokenizer, vocab_size: int, stop_ids: list[int], schema: dict[str, Any]) -> GrammarMask:
         """A fresh logits processor that allows only JSON matching ``schema``, compiled on this thread
@@ -164,6 +169,15 @@ class GrammarCompilers:
 
         threading.Thread(target=work, name="kvboost-grammar-compile", daemon=True).start()
         return running
+
+
+def _can_start(compiled) -> bool:
+    """Whether any token of the vocabulary may begin a value of the grammar."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def response_format_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

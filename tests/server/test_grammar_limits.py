@@ -49,6 +49,13 @@ def chat(server, **kw) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
 
 
+def assert_400(response: httpx.Response, param: str) -> dict:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return error
+
+
 def fmt(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
@@ -218,3 +225,13 @@ def test_schemas_the_grammar_cannot_enforce_exactly_are_refused_before_generatio
     content = fine.json()["choices"][0]["message"]["content"]
     if fine.json()["choices"][0]["finish_reason"] == "stop":
         jsonschema.validate(json.loads(content), DISCRIMINATED)
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"},
+                                    {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
+                                     "$ref": "#/$defs/A"}])
+def test_a_schema_that_admits_no_value_is_a_400(json_server, schema):
+    """It used to fail at the first step with a 500 ("no token of this vocabulary can continue the grammar")."""
+    error = assert_400(chat(json_server, response_format=fmt(schema)), "response_format")
+    assert "admits no value" in error["message"]
+
