@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
 ``GET /v1/models``, ``POST /v1/warm``, ``GET /v1/stats``, ``GET /health``, ``GET /metrics``, and
-vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``.
+vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``. The ``/v1`` and tokenizer
+routes take the API key (when one is set) and a bounded request body (413 past ``max_body_bytes``).
 Every request is checked (parameters, prompt length) before it is queued; generation runs as
 rows of the continuous batch (:class:`~kvboost_hf.server.batch_queue.BatchingQueue`, the CLI's
 default) or on the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`

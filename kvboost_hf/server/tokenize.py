@@ -4,6 +4,7 @@ lm-eval's ``local-completions`` probes ``/tokenizer_info`` and ``/tokenize`` and
 tokenizes through the server (its "remote" tokenizer backend) instead of loading one itself.
 Shapes: ``/tokenize`` ``{"prompt" | "messages", "add_special_tokens"}`` ->
 ``{"tokens", "count", "max_model_len"}``; ``/detokenize`` ``{"tokens"}`` -> ``{"prompt"}``.
+They take the API key and the body-size limit as the ``/v1`` routes do (the app's middleware).
 """
 
 from __future__ import annotations

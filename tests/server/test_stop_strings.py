@@ -5,11 +5,12 @@ changing state, and the request bounds the stop strings' total length."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvboost_hf.server.generation import ReplyText, _StopOnSignal
+from kvboost_hf.server.generation import ReplyText, SamplingParams, generate_reply
 from kvboost_hf.server.schemas import MAX_STOP_CHARS, CompletionRequest
 from kvboost_hf.server.stop_strings import StopStrings, common_prefix_length
 from tests.server.conftest import tiny_tokenizer
@@ -103,18 +104,35 @@ def test_hold_back_streams_text_that_cannot_become_a_stop():
     assert reply.stopped and reply.text == "w5 w6 w7 w8 w10 "
 
 
+class CapturingModel:
+    """Stands in for a model: ``generate`` keeps the stopping criteria it is given and returns the prompt."""
+
+    device = torch.device("cpu")
+    generation_config = SimpleNamespace(pad_token_id=None)
+
+    def __init__(self) -> None:
+        self.criteria = None
+
+    def generate(self, input_ids, **kwargs):
+        self.criteria = kwargs["stopping_criteria"]
+        return input_ids
+
+
 def test_would_stop_is_pure_and_completing_length_finds_the_stop_token():
     tokenizer = tiny_tokenizer()
-    reply = ReplyText(tokenizer, ["w9"])
-    criterion = _StopOnSignal(reply, prompt_len=2, cancelled=lambda: False)
+    model = CapturingModel()
     prompt = [1, 4]
+    generate_reply(model, tokenizer, prompt, SamplingParams(max_tokens=4, temperature=0, stop=["w9"]), [2])
+    (criterion,) = [c for c in model.criteria if hasattr(c, "would_stop")]  # what generate (and drafts) see
+    reply = criterion.reply
     ids = torch.tensor([prompt + [5, 6]])
     assert not criterion(ids, None).any()
-    state = (reply.text, reply.num_tokens, reply.stopped, reply.matcher.text, list(reply.matcher._states))
+    state = (reply.text, reply.num_tokens, reply.stopped, reply.matcher.text, reply.matcher.held_back)
     assert criterion.would_stop(torch.tensor([prompt + [5, 6, 9]]))
     assert criterion.would_stop(torch.tensor([prompt + [5, 6, 7, 9, 8]]))
     assert not criterion.would_stop(torch.tensor([prompt + [5, 6, 7, 8]]))
-    assert state == (reply.text, reply.num_tokens, reply.stopped, reply.matcher.text, list(reply.matcher._states))
+    assert state == (reply.text, reply.num_tokens, reply.stopped, reply.matcher.text, reply.matcher.held_back)
+    assert reply.delta() == "w5 w6"  # nothing was handed out or held back differently
     # A round of assisted decoding appended tokens past the one completing the stop: keep up to it.
     generated = [5, 6, 9, 7, 8]
     assert criterion(torch.tensor([prompt + generated]), None).all()
