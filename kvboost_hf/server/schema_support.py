@@ -32,6 +32,7 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "propertyNames", 
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _JSON_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 _MAX_REF_DEPTH = 32
+MAX_ONEOF_BRANCHES = 64  # pairs are compared: more branches than this are not checked, but refused
 
 
 class _Refs:
@@ -94,6 +95,8 @@ def _node_problem(node: dict[str, Any], refs: _Refs) -> str | None:
     if "multipleOf" in node and _types(node, refs) != {"integer"}:
         return "'multipleOf' is enforced on integers only: give the schema \"type\": \"integer\""
     branches = node.get("oneOf")
+    if isinstance(branches, list) and len(branches) > MAX_ONEOF_BRANCHES:
+        return f"'oneOf' with more than {MAX_ONEOF_BRANCHES} branches is not checked for overlap: use anyOf"
     if isinstance(branches, list):
         resolved = [refs.resolve(b) for b in branches]
         for (i, a), (j, b) in combinations(enumerate(resolved), 2):
@@ -158,11 +161,21 @@ def _disjoint(a: Any, b: Any, refs: _Refs) -> bool:
     return _objects_exclusive(a, b, refs) or _objects_exclusive(b, a, refs)
 
 
+def _properties(schema: dict[str, Any]) -> dict[str, Any]:
+    value = schema.get("properties")
+    return value if isinstance(value, dict) else {}
+
+
+def _required(schema: dict[str, Any]) -> list[str]:
+    value = schema.get("required")
+    return [name for name in value if isinstance(name, str)] if isinstance(value, list) else []
+
+
 def _objects_exclusive(a: dict[str, Any], b: dict[str, Any], refs: _Refs) -> bool:
     """Objects: a property ``a`` requires that ``b`` forbids, or that both require with disjoint listed values."""
-    props_a, props_b = a.get("properties") or {}, b.get("properties") or {}
-    required_b = set(b.get("required") or [])
-    for name in a.get("required") or []:
+    props_a, props_b = _properties(a), _properties(b)
+    required_b = set(_required(b))
+    for name in _required(a):
         if name not in props_b and b.get("additionalProperties") is False and not b.get("patternProperties"):
             return True
         if name in required_b:

@@ -21,6 +21,7 @@ whitespace can emit newlines until ``max_tokens``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -71,8 +72,8 @@ class GrammarCompilers:
         self._lock = threading.Lock()
         self._compilers: dict[int, Any] = {}
         self._slots = threading.BoundedSemaphore(max_compiling)
-        self._running: dict[tuple[int, str], Future] = {}  # one compile per schema, shared by its waiters
-        self._refused: OrderedDict[tuple[int, str], str] = OrderedDict()
+        self._running: dict[tuple[int, bytes], Future] = {}  # one compile per schema, shared by its waiters
+        self._refused: OrderedDict[tuple[int, bytes], str] = OrderedDict()
 
     def compiler(self, tokenizer, vocab_size: int, stop_ids: list[int]):
         """The tokenizer's compiler; the first call builds its vocabulary table (seconds for a large vocabulary)."""
@@ -113,7 +114,7 @@ class GrammarCompilers:
         """
         compiler = await run_in_threadpool(self.compiler, tokenizer, vocab_size, stop_ids)  # once per tokenizer
         text = json.dumps(schema)
-        key = (id(tokenizer), text)
+        key = (id(tokenizer), hashlib.sha256(text.encode()).digest())  # remembered keys stay small
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
             refused = self._refused.get(key)
@@ -137,7 +138,7 @@ class GrammarCompilers:
                            len(text))
             raise ValueError(message) from None
 
-    async def _start(self, key: tuple[int, str], compiler, text: str, deadline: float) -> Future:
+    async def _start(self, key: tuple[int, bytes], compiler, text: str, deadline: float) -> Future:
         """Take a compile slot (waiting up to ``deadline``) and start compiling ``text`` on a new thread."""
         while True:
             with self._lock:

@@ -5,6 +5,7 @@ accepted look-alikes (exclusive oneOf, one-schema allOf, integer multipleOf) it 
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -101,3 +102,31 @@ def test_objects_told_apart_by_a_forbidden_property_or_not_at_all():
     assert unsupported_construct({"oneOf": [only_a, only_b]}) is None
     loose_b = {"type": "object", "properties": {"b": {"type": "integer"}}}  # {"a": 1} matches it too
     assert "branches 0 and 1" in unsupported_construct({"oneOf": [only_a, loose_b]})
+
+
+def random_schema(rng: random.Random, depth: int = 0):
+    """Schema-shaped garbage: keywords with values of every JSON type, nested."""
+    keys = ["type", "oneOf", "anyOf", "allOf", "properties", "required", "items", "enum", "const", "$ref",
+            "additionalProperties", "multipleOf", "not", "uniqueItems", "$defs", "x"]
+    leaves = [None, True, 3, 0.5, "s", "#", "#/$defs/a", "integer", "object", [], {}, ["a", 1], {"a": 1}]
+    if depth > 3 or rng.random() < 0.3:
+        return rng.choice(leaves)
+    if rng.random() < 0.3:
+        return [random_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(keys): random_schema(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+
+
+def test_any_schema_shaped_value_gets_an_answer_not_an_exception():
+    rng = random.Random(0)
+    for _ in range(3000):
+        schema = random_schema(rng)
+        assert unsupported_construct(schema) is None or isinstance(unsupported_construct(schema), str)
+    for required, properties in ((5, {}), ("a", []), (["a", 1], "p"), ([{"a": 1}], {"a": 7})):
+        branch = {"type": "object", "required": required, "properties": properties}
+        other = {"type": "object", "required": ["a"], "properties": {"a": {"const": 1}}}
+        assert isinstance(unsupported_construct({"oneOf": [other, branch]}), str)
+        assert isinstance(unsupported_construct({"oneOf": [branch, other]}), str)
+    many = {"oneOf": [{"const": i} for i in range(65)]}
+    assert "more than 64" in unsupported_construct(many)
+    assert unsupported_construct({"oneOf": [{"const": i} for i in range(64)]}) is None
+
