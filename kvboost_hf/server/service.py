@@ -231,7 +231,7 @@ class Service:
             schema = call_schema(tools, name) if forced else response_format_schema(body.response_format)
         except ValueError as err:
             raise APIError(400, str(err), param="response_format", code="invalid_value") from None
-        problem = unsupported_construct(schema) if schema is not None else None
+        problem = await run_in_threadpool(unsupported_construct, schema) if schema is not None else None
         if problem is not None:  # the grammar would allow values the schema does not: no guarantee
             raise APIError(400, f"this JSON schema cannot be enforced exactly: {problem}", param=param,
                            code="unsupported_schema")
