@@ -27,10 +27,10 @@ from .metrics import ServerMetrics
 from .processors import request_processors
 from .responses import ChunkWriter, chat_choice, completion_choice, usage_of
 from .scheduler import Job, QueueFullError
+from .schema_support import unsupported_construct
 from .settings import ServerSettings
 from .sse import sse_events
 from .streaming_metrics import streaming_snapshot
-from .schema_support import unsupported_construct
 from .structured import GrammarCompilers, response_format_schema
 from .tools import call_schema, plain_turns, template_renders_tools, with_tools_system
 
