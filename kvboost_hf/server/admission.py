@@ -79,7 +79,10 @@ class MemoryAdmission:
         self._lock = threading.Lock()
         self._reservations: set[Reservation] = set()
         self._in_flight: dict[object, int] = {}  # one key per running generation -> its K/V bytes (a figure only)
-        self._started_high = (0, 0)  # highest (bytes, prompt tokens) of started reservations since the last take
+        self._highs: list[list[int]] = []  # open trackers: highest [bytes, prompt tokens] of started reservations
+        self._runs: dict[object, bool] = {}  # calls inside running() now -> whether another overlapped them
+        self._period: tuple[PeakMeter, list[int]] | None = None  # while any runs: its meter and high-water tracker
+        self._period_overlapped = False
         self.refused = self.truncated = 0
 
     # ------------------------------------------------------------------ the ledger
@@ -99,25 +102,45 @@ class MemoryAdmission:
             self._reservations.discard(reservation)
 
     def mark_started(self, admitted: Admitted) -> None:
-        """The request began to run (its first row, or its job): its bytes count in the batch calibration."""
+        """The request began to run (its first row, or its job): its bytes count in the calibration of what
+        runs at once."""
         reservation = admitted.reservation
         if reservation is None:
             return
         with self._lock:
             if reservation in self._reservations:
                 reservation.started = True
-            self._started_high = max(self._started_high, self._started_total())
+            self._raise_highs()
 
-    def take_started_high(self) -> tuple[int, int]:
-        """The highest (planned bytes, prompt tokens) of the started requests since the last call; starts again
-        from what is started now."""
+    def open_high(self) -> list[int]:
+        """A tracker of the highest ``[planned bytes, prompt tokens]`` of the started requests from now on."""
         with self._lock:
-            high, self._started_high = self._started_high, self._started_total()
-            return max(high, self._started_high)
+            return self._open_high()
 
-    def _started_total(self) -> tuple[int, int]:
+    def close_high(self, tracker: list[int]) -> tuple[int, int]:
+        """What ``tracker`` saw (it stops)."""
+        with self._lock:
+            return self._close_high(tracker)
+
+    def _open_high(self) -> list[int]:
+        tracker = self._started_total()
+        self._highs.append(tracker)
+        return tracker
+
+    def _close_high(self, tracker: list[int]) -> tuple[int, int]:
+        self._raise_highs()
+        self._highs = [t for t in self._highs if t is not tracker]
+        return tracker[0], tracker[1]
+
+    def _raise_highs(self) -> None:
+        now = self._started_total()
+        for tracker in self._highs:
+            if now[0] > tracker[0]:
+                tracker[:] = now
+
+    def _started_total(self) -> list[int]:
         started = [r for r in self._reservations if r.started]
-        return sum(r.nbytes for r in started), sum(r.prompt_tokens for r in started)
+        return [sum(r.nbytes for r in started), sum(r.prompt_tokens for r in started)]
 
     # ------------------------------------------------------------------ admission
     def admit(self, prompt_ids: list[int], max_new_tokens: int, copies: int = 1, alongside: int = 0,
@@ -183,9 +206,11 @@ class MemoryAdmission:
 
     @contextlib.contextmanager
     def running(self, admitted: Admitted, scoring: bool = False) -> Iterator[None]:
-        """One generation of ``admitted`` (or, with ``scoring``, the scoring of its prompt) runs alone on this
-        thread: count it as started and running, and record the planner's peak for that call against the
-        measured one."""
+        """One generation of ``admitted`` (or, with ``scoring``, the scoring of its prompt) runs on this thread:
+        count it as started and running, and record the planner's peak for that call against the measured
+        one when no other such call overlapped it. Calls that overlap (several workers) share the process's
+        memory: their busy period is recorded instead (``concurrent``: the planned total of the started
+        requests against the process's peak above its level when the period began)."""
         plan = admitted.plan
         self.mark_started(admitted)
         if plan is None:
@@ -196,15 +221,44 @@ class MemoryAdmission:
         else:
             predicted = self.planner.peak_bytes(plan.prompt_tokens, plan.max_new_tokens, plan.reused_tokens,
                                                 plan.prefill_chunk_size, 0, plan.kv_bits)
+        key = object()
         with contextlib.ExitStack() as stack:
             if not scoring:
                 stack.enter_context(self.in_batch(admitted))
+            self._enter_run(key)
             meter = PeakMeter(self.device).start()
             try:
                 yield
             finally:
                 measured = meter.stop()
-            self.calibration.record("scoring" if scoring else "generation", plan.prompt_tokens, predicted, measured)
+                overlapped = self._leave_run(key)
+            if not overlapped:
+                self.calibration.record("scoring" if scoring else "generation", plan.prompt_tokens, predicted,
+                                        measured)
+
+    def _enter_run(self, key: object) -> None:
+        with self._lock:
+            if self._runs:
+                self._period_overlapped = True
+                for other in self._runs:
+                    self._runs[other] = True
+            else:
+                self._period = (PeakMeter(self.device).start(), self._open_high())
+            self._runs[key] = bool(self._period_overlapped)
+
+    def _leave_run(self, key: object) -> bool:
+        """Whether the run overlapped another; the busy period is recorded when the last run leaves."""
+        with self._lock:
+            overlapped = self._runs.pop(key, False)
+            if self._runs or self._period is None:
+                return overlapped
+            (meter, tracker), self._period = self._period, None
+            recorded, self._period_overlapped = self._period_overlapped, False
+            planned, tokens = self._close_high(tracker)
+        measured = meter.stop()
+        if recorded and planned > 0:
+            self.calibration.record("concurrent", tokens, planned, measured)
+        return overlapped
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict:

@@ -1,13 +1,15 @@
 """Calibration of the memory planner: predicted against measured peaks, kept for ``/v1/stats`` and ``/metrics``.
 
-Three kinds of record, each ``(kind, prompt tokens, predicted, measured)``:
+Four kinds of record, each ``(kind, prompt tokens, predicted, measured)``:
 
-- ``generation``: one ``model.generate`` call run alone on its thread (the worker scheduler, and the
-  batch scheduler's whole-request jobs), predicted = the planner's peak for that call alone;
-- ``scoring``: one prompt scored for ``echo`` + ``logprobs``, predicted = the planner's scoring peak;
-- ``batch``: a window of batch steps (the batch scheduler's rows share every forward, so a request's own
-  peak is not observable): predicted = the highest planned total of the requests that had started,
-  measured = the process's peak above its level when the batch was last idle.
+- ``generation``: one ``model.generate`` call that ran with no other overlapping it (the worker
+  scheduler, and the batch scheduler's whole-request jobs), predicted = the planner's peak for that call;
+- ``scoring``: one prompt scored for ``echo`` + ``logprobs`` the same way, predicted = its scoring peak;
+- ``concurrent``: a busy period in which such calls overlapped (several workers share the process's
+  memory, so no call's own peak is observable): predicted = the highest planned total of the requests
+  that had started, measured = the process's peak above its level when the period began;
+- ``batch``: a window of batch steps (rows share every forward): predicted and measured as for
+  ``concurrent``, the level taken when the batch was last idle.
 
 Measured is CUDA's allocated memory on a GPU, else the resident set sampled every ``SAMPLE_S`` by one
 thread while any :class:`PeakMeter` runs (with glibc's default allocator freed memory can stay resident:
@@ -31,7 +33,7 @@ COHORTS = (512, 2048, 8192)  # prompt-length buckets for per-cohort calibration 
 SAMPLE_S = 0.005
 MAX_RECORDS = 1000
 WINDOW_STEPS = 64  # batch steps per calibration window while the batch stays busy
-KINDS = ("generation", "scoring", "batch")
+KINDS = ("generation", "scoring", "concurrent", "batch")
 
 
 class _Meters:
@@ -153,9 +155,10 @@ class Calibration:
 
     def stats(self) -> dict:
         """Residuals (measured / predicted - 1) overall, per kind and per prompt-length cohort; how many
-        requests (generation and scoring records) and batch windows they come from."""
+        requests (generation and scoring records), concurrent periods and batch windows they come from."""
         records = [r for r in self.records() if r[2] > 0]
-        out = {"requests": sum(1 for r in records if r[0] != "batch"),
+        out = {"requests": sum(1 for r in records if r[0] in ("generation", "scoring")),
+               "concurrent_periods": sum(1 for r in records if r[0] == "concurrent"),
                "batch_windows": sum(1 for r in records if r[0] == "batch")}
         out.update(residual_summary([m / p - 1.0 for _, _, p, m in records]))
         out["kinds"] = {kind: {"records": len(errors), **residual_summary(errors)}
@@ -174,13 +177,14 @@ class BatchCalibration:
     """Windows of the batch scheduler's steps: call :meth:`before_step` and :meth:`after_step` around every
     step. A window opens at the first step after the batch was idle (the base level is taken there) and is
     recorded every ``steps`` steps and when the batch goes idle: predicted = the highest planned total of
-    the requests that had started (:meth:`MemoryAdmission.take_started_high`), measured = the peak since
-    the window opened above the base level."""
+    the requests that had started (:meth:`MemoryAdmission.open_high`), measured = the peak since the window
+    opened above the base level."""
 
     def __init__(self, admission: Callable[[], MemoryAdmission | None], steps: int = WINDOW_STEPS) -> None:
         self.admission, self.steps = admission, steps
         self._meter: PeakMeter | None = None
         self._owner: MemoryAdmission | None = None
+        self._high: list[int] | None = None
         self._count = 0
 
     def before_step(self) -> None:
@@ -191,7 +195,7 @@ class BatchCalibration:
         if admission is None or self._meter is not None:
             return
         self._meter = PeakMeter(admission.device).start()
-        admission.take_started_high()
+        self._high = admission.open_high()
         self._count = 0
 
     def after_step(self, idle: bool) -> None:
@@ -200,11 +204,12 @@ class BatchCalibration:
         self._count += 1
         if not idle and self._count < self.steps:
             return
-        predicted, tokens = self._owner.take_started_high()
+        predicted, tokens = self._owner.close_high(self._high)
         measured = self._meter.stop() if idle else self._meter.lap()
         if predicted > 0:
             self._owner.calibration.record("batch", tokens, predicted, measured)
         self._count = 0
+        self._high = None if idle else self._owner.open_high()
         if idle:
             self._meter = None
 
@@ -212,7 +217,9 @@ class BatchCalibration:
         """Stop the open window without recording it."""
         if self._meter is not None:
             self._meter.stop()
-        self._meter = None
+        if self._owner is not None and self._high is not None:
+            self._owner.close_high(self._high)
+        self._meter = self._high = None
 
 
 class MemoryCollector:

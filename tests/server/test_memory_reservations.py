@@ -193,3 +193,38 @@ def test_echo_with_logprobs_is_planned_scored_in_slices_that_fit_and_measured(sc
         plain = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                            json={**body, "prompt": cycle_words(100, 2), "logprobs": None, "max_tokens": 1})
         assert plain.status_code == 200
+
+
+def test_overlapping_runs_are_calibrated_as_one_period_and_a_lone_run_on_its_own():
+    """Two generations that overlap (two workers) share the resident set: no per-request record, one
+    ``concurrent`` record with their planned total; a generation alone gets its own record."""
+    shape = shape_of(make_tiny("llama", seed=1))
+    admission = MemoryAdmission(MemoryPlanner(shape, 2**30, margin=0.0))
+    a, b, c = (admission.admit(list(range(3, 3 + n)), 8) for n in (40, 60, 80))
+    inside, leave = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with admission.running(a):
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(30)
+    with admission.running(b):
+        pass
+    leave.set()
+    thread.join(30)
+    records = admission.calibration.records()
+    assert [(kind, tokens, predicted) for kind, tokens, predicted, _ in records] == [
+        ("concurrent", 100, a.reserved_bytes + b.reserved_bytes)]
+    with admission.running(c):
+        pass
+    kind, tokens, predicted, _ = admission.calibration.records()[-1]
+    assert (kind, tokens) == ("generation", 80) and predicted == admission.planner.peak_bytes(80, 8)
+    stats = admission.stats()
+    assert stats["requests"] == 1 and stats["concurrent_periods"] == 1 and set(stats["kinds"]) == {
+        "generation", "concurrent"}
+    for admitted in (a, b, c):
+        admitted.release()
+    assert admission.reserved_bytes() == 0
