@@ -228,3 +228,29 @@ def test_overlapping_runs_are_calibrated_as_one_period_and_a_lone_run_on_its_own
     for admitted in (a, b, c):
         admitted.release()
     assert admission.reserved_bytes() == 0
+
+
+def test_a_job_gives_back_what_it_holds_once_however_it_ends():
+    import asyncio
+
+    from kvboost_hf.server.scheduler import Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        ended: list[str] = []
+        waiting = Job(lambda job: None, loop=loop)
+        waiting.on_end(lambda: ended.append("waiting"))
+        waiting.cancel()  # cancelled before a scheduler started it: released now
+        assert ended == ["waiting"] and not waiting.begin()
+        waiting.emit("cancelled")  # the scheduler skips it later: nothing runs twice
+        running = Job(lambda job: None, loop=loop)
+        running.on_end(lambda: ended.append("running"))
+        assert running.begin()
+        running.cancel()  # started: what it holds stays until its last event
+        assert ended == ["waiting"]
+        running.emit("delta", "x")
+        running.emit("done", [])
+        running.emit("done", [])
+        assert ended == ["waiting", "running"]
+    finally:
+        loop.close()
