@@ -2,8 +2,9 @@
 
 The real server (in this process, on loopback) plans into a budget of ``--budget-requests`` times one
 request's planned peak (margin 0); ``--requests`` clients send a ``--prompt-tokens`` prompt each (distinct
-essays' text) at once, ``--new-tokens`` greedy tokens. Reported per scheduler: how many were admitted
-(200) or refused (413), the sum of the admitted requests' planned peaks (as admitted together) over the
+essays' text) at once, ``--new-tokens`` greedy tokens. Reported per scheduler: the status of each (200 when
+served, after waiting for memory when it fitted alone but not beside the others), the wall time of the
+burst, the sum of the admitted requests' planned peaks (as admitted together) over the
 budget, and the process's peak resident set during the burst above its level before it, over the budget
 (glibc's mmap threshold fixed at 128 KiB so the resident set follows live memory, as
 benchmarks/memory_planner.py does), and how much of it is the chunk store's growth (the store has a
@@ -105,8 +106,10 @@ def main() -> None:
             response = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": ids}, timeout=1200)
             return response.status_code
 
+        began = time.perf_counter()
         with ThreadPoolExecutor(args.requests) as pool:
             statuses = list(pool.map(post, prompts))
+        seconds = time.perf_counter() - began
         done.set()
         sampler.join()
         admitted = statuses.count(200)
@@ -116,6 +119,7 @@ def main() -> None:
             "scheduler": args.scheduler, "echo": args.echo, "requests": args.requests,
             "prompt_tokens": args.prompt_tokens, "one_request_planned_mb": round(one / MIB, 1),
             "budget_mb": round(budget / MIB, 1), "statuses": statuses, "admitted": admitted,
+            "seconds": round(seconds, 1), "waited_for_memory": stats.get("waited"),
             "planned_total_over_budget": round(total / budget, 2),
             "measured_peak_mb": round((peak - base) / MIB, 1),
             "measured_over_budget": round((peak - base) / budget, 2),

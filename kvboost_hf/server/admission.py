@@ -6,26 +6,53 @@ decision to a request (413 with the figures, or the longest prompt prefix that f
 ``--auto-truncate``) and keeps the ledger of what is admitted: a request's :class:`Reservation` (its
 predicted peak beside what was already admitted) is taken when it is admitted and held while it waits
 in the queue and while it runs, until its job ends, fails or is cancelled, under either scheduler. A
-request is planned against every reservation held, so the planned total never exceeds the budget: what
-does not fit beside them is refused (413: retry when fewer requests run) before it is queued, as a
-request too large for the machine is. Measured peaks go to the :class:`~.calibration.Calibration`.
+request is planned against every reservation held, so the planned total never exceeds the budget. A
+request that could not fit even alone is refused (413) before it is queued; one that fits alone but not
+beside what is admitted now waits for memory, first come first admitted, as a request waits for a free
+slot in vLLM's scheduler (the server bounds the wait by the request timeout, 504, and the line by
+``max_waiting``, 503). Measured peaks go to the :class:`~.calibration.Calibration`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..planner.memory import MIB, SCORE_SLICES, MemoryPlanner, RequestPlan
 from .calibration import Calibration, MemoryCollector, PeakMeter, residual_summary
 from .errors import APIError
 
-__all__ = ["Admitted", "MemoryAdmission", "MemoryCollector", "Reservation", "plan_headers", "residual_summary"]
+__all__ = ["Admitted", "Ask", "MemoryAdmission", "MemoryCollector", "Reservation", "plan_headers", "residual_summary"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One prompt of a request to plan: ``copies`` generations of it (``n``, ``best_of``: each holds its own
+    K/V) of up to ``max_new_tokens``, and with ``score_prompt`` the scoring of the prompt (``echo`` with
+    ``logprobs``)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    copies: int = 1
+    score_prompt: bool = False
+
+
+def too_large_error(plan: RequestPlan) -> APIError:
+    """413 for a request whose plan does not fit even with nothing else admitted."""
+    what = (f"lower max_tokens to {plan.suggested_max_tokens}" if plan.suggested_max_tokens
+            else "shorten the prompt")
+    return APIError(
+        413,
+        f"this request would need about {plan.predicted_peak_bytes / MIB:,.0f} MiB at its peak; "
+        f"{plan.free_bytes / MIB:,.0f} MiB are free for requests: {what}",
+        param="messages/prompt", code="request_too_large", details=plan.error_payload(),
+    )
 
 
 class Reservation:
@@ -73,7 +100,8 @@ def plan_headers(admitted: list[Admitted]) -> dict[str, str]:
 class MemoryAdmission:
     """Plans, admits (reserves), releases and measures requests for one server."""
 
-    def __init__(self, planner: MemoryPlanner, auto_truncate: bool = False, device: str = "cpu") -> None:
+    def __init__(self, planner: MemoryPlanner, auto_truncate: bool = False, device: str = "cpu",
+                 max_waiting: int = 64) -> None:
         self.planner, self.auto_truncate, self.device = planner, auto_truncate, device
         self.calibration = Calibration()
         self._lock = threading.Lock()
@@ -83,7 +111,9 @@ class MemoryAdmission:
         self._runs: dict[object, bool] = {}  # calls inside running() now -> whether another overlapped them
         self._period: tuple[PeakMeter, list[int]] | None = None  # while any runs: its meter and high-water tracker
         self._period_overlapped = False
-        self.refused = self.truncated = 0
+        self._waiters: collections.deque[object] = collections.deque()  # tickets of requests waiting for memory
+        self.max_waiting = max_waiting
+        self.refused = self.truncated = self.waited = 0
 
     # ------------------------------------------------------------------ the ledger
     def reserved_bytes(self) -> int:
@@ -145,38 +175,85 @@ class MemoryAdmission:
     # ------------------------------------------------------------------ admission
     def admit(self, prompt_ids: list[int], max_new_tokens: int, copies: int = 1, alongside: int = 0,
               score_prompt: bool = False) -> Admitted:
-        """The plan for this request, reserved until released; APIError 413 (with the planner's figures) when
-        it does not fit beside what is already admitted.
+        """One prompt admitted now, without waiting: :meth:`try_admit` of one :class:`Ask`, and APIError 503
+        (``memory_busy``) when it fits alone but not beside what is admitted."""
+        got = self.try_admit([Ask(prompt_ids, max_new_tokens, copies, score_prompt)], alongside=alongside)
+        if got is None:
+            raise self.busy_error()
+        return got[0]
 
-        ``copies`` generations of this prompt (``n``, ``best_of``: each holds its own K/V) and ``alongside``
-        further bytes count as running beside it; ``score_prompt``: the request scores its prompt (``echo``
-        with ``logprobs``), planned as well. The reservation is the plan's peak less what other requests
-        hold, so the reserved total stays within the planner's budget.
+    def try_admit(self, asks: list[Ask], ticket: object | None = None, alongside: int = 0) -> list[Admitted] | None:
+        """Every prompt of one request planned and reserved together (all or none), or None when they fit
+        alone but not beside the requests admitted now, or when an earlier waiter (see :meth:`wait_turn`)
+        is ahead of ``ticket``: retry when a request ends. APIError 413 (with the planner's figures) when
+        they could not fit even alone; with ``auto_truncate``, a prompt is cut to what fits alone instead.
+
+        ``alongside``: further bytes that count as running beside them. The reservation of each prompt is
+        its plan's peak less what is held before it, so the reserved total stays within the budget.
         """
-        n = len(prompt_ids)
         with self._lock:
-            others = sum(r.nbytes for r in self._reservations) + alongside
-            batch = others + (copies - 1) * self.planner.kv_bytes(n + max_new_tokens, None)
-            plan = self.planner.plan(n, max_new_tokens, batch_kv_bytes=batch, score_prompt=score_prompt)
-            if plan.fits:
-                return self._reserve(prompt_ids, plan, others)
-            if self.auto_truncate:
-                keep = self.planner.truncated_prompt(n, max_new_tokens, batch, score_prompt=score_prompt)
+            asks = self._fit_alone(asks, alongside)
+            if self._waiters and self._waiters[0] is not ticket:
+                return None
+            admitted: list[Admitted] = []
+            for ask, truncated_from in asks:
+                others = sum(r.nbytes for r in self._reservations) + alongside
+                batch = others + (ask.copies - 1) * self.planner.kv_bytes(len(ask.prompt_ids) + ask.max_new_tokens)
+                plan = self.planner.plan(len(ask.prompt_ids), ask.max_new_tokens, batch_kv_bytes=batch,
+                                         score_prompt=ask.score_prompt)
+                if not plan.fits:
+                    for got in admitted:
+                        self._reservations.discard(got.reservation)
+                    return None
+                admitted.append(self._reserve(ask.prompt_ids, plan, others, truncated_from))
+            self.truncated += sum(truncated_from is not None for _, truncated_from in asks)
+            return admitted
+
+    def _fit_alone(self, asks: list[Ask], alongside: int) -> list[tuple[Ask, int | None]]:
+        """``asks`` as they fit with nothing else admitted (each with its original prompt length when
+        ``auto_truncate`` cut it); APIError 413 when one cannot (call with the lock held)."""
+        out, held = [], alongside
+        for ask in asks:
+            n = len(ask.prompt_ids)
+            batch = held + (ask.copies - 1) * self.planner.kv_bytes(n + ask.max_new_tokens)
+            plan = self.planner.plan(n, ask.max_new_tokens, batch_kv_bytes=batch, score_prompt=ask.score_prompt)
+            truncated_from = None
+            if not plan.fits and self.auto_truncate:
+                keep = self.planner.truncated_prompt(n, ask.max_new_tokens, batch, score_prompt=ask.score_prompt)
                 if keep > 0:
-                    self.truncated += 1
-                    kept = self.planner.plan(keep, max_new_tokens, batch_kv_bytes=batch, score_prompt=score_prompt)
-                    return self._reserve(prompt_ids[:keep], kept, others, truncated_from=n)
-            self.refused += 1
-        what = (f"lower max_tokens to {plan.suggested_max_tokens}" if plan.suggested_max_tokens
-                else "shorten the prompt")
-        held = f", {others / MIB:,.0f} MiB of it planned for requests already admitted" if others else ""
-        raise APIError(
-            413,
-            f"this request would need about {plan.predicted_peak_bytes / MIB:,.0f} MiB at its peak{held}; "
-            f"{plan.free_bytes / MIB:,.0f} MiB are free for requests: {what} (or retry when fewer requests run)",
-            param="messages/prompt", code="request_too_large",
-            details={**plan.error_payload(), "admitted_mb": round(others / MIB, 1)},
-        )
+                    ask, truncated_from = replace(ask, prompt_ids=ask.prompt_ids[:keep]), n
+                    plan = self.planner.plan(keep, ask.max_new_tokens, batch_kv_bytes=batch,
+                                             score_prompt=ask.score_prompt)
+            if not plan.fits:
+                self.refused += 1
+                raise too_large_error(plan)
+            out.append((ask, truncated_from))
+            held = plan.predicted_peak_bytes
+        return out
+
+    def wait_turn(self) -> object | None:
+        """A place in the line of requests waiting for memory (first come, first admitted), or None when
+        ``max_waiting`` already wait; give it back with :meth:`leave`."""
+        with self._lock:
+            if len(self._waiters) >= self.max_waiting:
+                return None
+            ticket = object()
+            self._waiters.append(ticket)
+            self.waited += 1
+            return ticket
+
+    def leave(self, ticket: object) -> None:
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(ticket)
+
+    def busy_error(self, retry_after: str = "1") -> APIError:
+        """503 for a request that fits alone but not beside the requests admitted now."""
+        held = self.reserved_bytes()
+        return APIError(503, f"the memory this request needs is held by requests already admitted "
+                             f"({held / MIB:,.0f} MiB of {self.planner.budget_bytes / MIB:,.0f} MiB); retry later",
+                        code="memory_busy", headers={"Retry-After": retry_after},
+                        details={"admitted_mb": round(held / MIB, 1)})
 
     def _reserve(self, prompt_ids: list[int], plan: RequestPlan, others: int,
                  truncated_from: int | None = None) -> Admitted:
@@ -269,7 +346,8 @@ class MemoryAdmission:
         out = {"free_mb": round(self.planner.free_bytes / MIB, 1), "margin": self.planner.margin,
                "budget_mb": round(self.planner.budget_bytes / MIB, 1),
                "decode_step_ms": None if step is None else round(step * 1000, 2),
-               "refused": self.refused, "truncated": self.truncated,
+               "refused": self.refused, "truncated": self.truncated, "waited": self.waited,
+               "waiting": len(self._waiters),
                "admitted": admitted, "reserved_mb": round(reserved / MIB, 1),
                "in_flight_kv_mb": round(self.batch_kv_bytes() / MIB, 1)}
         out.update(self.calibration.stats())

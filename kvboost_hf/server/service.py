@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from ..planner.memory import MemoryPlanner
 from ..warm import warm
 from . import schemas
-from .admission import Admitted, MemoryAdmission, plan_headers
+from .admission import Admitted, Ask, MemoryAdmission, plan_headers
 from .choices import Choice, PromptPlan, candidate_params, empty_reply, rows_request, run_choices, runs_as_rows
 from .errors import APIError
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a disconnected client
+ADMISSION_POLL_S = 0.02  # how often a request waiting for memory retries (a reservation frees when a job ends)
 
 
 def context_length(model) -> int | None:
@@ -66,7 +67,8 @@ class Service:
         if settings.plan_memory:
             planner = MemoryPlanner.for_model(model, settings.memory_limit, reuse=settings.reuse,
                                               kv_bits_options=settings.kv_bits_fallback)
-            self.admission = MemoryAdmission(planner, settings.auto_truncate, next(model.parameters()).device.type)
+            self.admission = MemoryAdmission(planner, settings.auto_truncate, next(model.parameters()).device.type,
+                                             max_waiting=settings.max_queue)
 
     # ------------------------------------------------------------------ small pieces
     def model_card(self) -> schemas.ModelCard:
@@ -196,23 +198,26 @@ class Service:
         self.check_model_name(body.model)
         plans, echoes = [], []
         echo_logprobs = body.echo and body.logprobs is not None
+        candidates = body.best_of or body.n
+        asks = []
+        for prompt in body.prompt:
+            prompt_ids = await self.completion_prompt(prompt)
+            self.check_prompt_length(len(prompt_ids))
+            params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+            asks.append(Ask(prompt_ids, max(params.max_tokens, 1), candidates, echo_logprobs))
+        admitted = await self.admit(asks, request)  # all prompts together: none holds memory while another waits
         try:  # what is admitted is released if the request fails before it is queued
-            for prompt in body.prompt:
-                prompt_ids = await self.completion_prompt(prompt)
-                self.check_prompt_length(len(prompt_ids))
-                params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-                candidates = body.best_of or body.n
-                admitted = self.admit(prompt_ids, max(params.max_tokens, 1), candidates, echo_logprobs)
-                plans.append(PromptPlan(admitted, candidates, body.n))
+            for prompt, got in zip(body.prompt, admitted):
+                plans.append(PromptPlan(got, candidates, body.n))
                 if body.echo:
-                    same = admitted.truncated_from is None and isinstance(prompt, str)
-                    echoes.append(prompt if same else self.tokenizer.decode(admitted.prompt_ids))
+                    same = got.truncated_from is None and isinstance(prompt, str)
+                    echoes.append(prompt if same else self.tokenizer.decode(got.prompt_ids))
             longest = max(len(p.prompt_ids) for p in plans)
             params = self.sampling(body, longest, COMPLETIONS_DEFAULT_MAX_TOKENS)
             params.processors = await self.processors(body, None, "prompt")
         except BaseException:
-            for plan in plans:
-                plan.admitted.release()
+            for got in admitted:
+                got.release()
             raise
         if body.logprobs is not None or (body.best_of or body.n) > body.n:
             params.logprobs = body.logprobs or 0  # best_of ranks candidates by their logprob
@@ -240,7 +245,7 @@ class Service:
         params.processors = await self.processors(body, schema, param)
         if body.logprobs:
             params.logprobs = body.top_logprobs or 0
-        admitted = self.admit(prompt_ids, params.max_tokens, body.n)
+        (admitted,) = await self.admit([Ask(prompt_ids, params.max_tokens, body.n)], request)
         plans = [PromptPlan(admitted, body.n, body.n)]
         return await self.generate(request, "/v1/chat/completions", plans, params, body, chat=True,
                                    tools=tools or None)
@@ -276,15 +281,35 @@ class Service:
                 "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
 
 
-    def admit(self, prompt_ids: list[int], max_tokens: int, copies: int = 1, score_prompt: bool = False) -> Admitted:
-        """The memory planner's decision (413 when it does not fit beside every request admitted and not ended,
-        the request's earlier prompts included) for ``copies`` generations of the prompt (``score_prompt``:
-        and scoring it); reserved until the request's job ends (``Admitted.release``). Everything is
-        admitted when planning is off."""
-        if self.admission is None:
-            return Admitted(prompt_ids, None)
-        return self.admission.admit(prompt_ids, max_tokens, copies=copies, score_prompt=score_prompt)
-
+    async def admit(self, asks: list[Ask], request: Request | None = None) -> list[Admitted]:
+        """The memory planner's decision for every prompt of one request, reserved together until the
+        request's job ends (``Admitted.release``): 413 when they could not fit even alone; when they fit
+        alone but not beside the requests admitted and not ended, the request waits for memory (first come,
+        first admitted) up to the request timeout (504), behind at most ``max_queue`` others (else 503).
+        Everything is admitted when planning is off."""
+        admission = self.admission
+        if admission is None:
+            return [Admitted(ask.prompt_ids, None) for ask in asks]
+        admitted = admission.try_admit(asks)
+        if admitted is not None:
+            return admitted
+        ticket = admission.wait_turn()
+        if ticket is None:
+            self.metrics.observe_outcome("rejected")
+            raise admission.busy_error(self.retry_after())
+        deadline = time.perf_counter() + self.settings.request_timeout
+        try:
+            while (admitted := admission.try_admit(asks, ticket)) is None:
+                if time.perf_counter() > deadline:
+                    raise self.timeout_error()
+                if request is not None and await request.is_disconnected():
+                    self.metrics.observe_outcome("cancelled")
+                    raise APIError(499, "the client disconnected while waiting for memory", type="cancelled",
+                                   code="cancelled")
+                await asyncio.sleep(ADMISSION_POLL_S)
+        finally:
+            admission.leave(ticket)
+        return admitted
 
     async def generate(self, request: Request, route: str, plans: list[PromptPlan], params: SamplingParams,
                        body: schemas._SamplingRequest, chat: bool, tools: list[dict] | None = None,

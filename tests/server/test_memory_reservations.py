@@ -12,7 +12,7 @@ import pytest
 
 from kvboost_hf.planner import ModelShape
 from kvboost_hf.planner.memory import SCORE_SLICES, MemoryPlanner
-from kvboost_hf.server.admission import MemoryAdmission
+from kvboost_hf.server.admission import Ask, MemoryAdmission
 from kvboost_hf.server.errors import APIError
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
@@ -42,7 +42,11 @@ def test_six_requests_that_each_fit_alone_never_take_the_plan_past_its_budget():
         except APIError as err:
             refused.append(err)
     assert len(held) == 2 and len(refused) == 4  # two fit together, a third does not
-    assert all(err.status == 413 and err.details["admitted_mb"] == round(2 * one / 2**20, 1) for err in refused)
+    # Each fits alone: not "too large" (413, not retryable) but busy (503 with Retry-After) for admit(),
+    # which never waits; the server waits instead (try_admit with a ticket).
+    assert all(err.status == 503 and err.code == "memory_busy" and "Retry-After" in err.headers
+               and err.details["admitted_mb"] == round(2 * one / 2**20, 1) for err in refused)
+    assert admission.refused == 0
     assert sum(a.plan.predicted_peak_bytes - a.reserved_bytes for a in held[:1]) == 0  # planned alone
     assert held[1].plan.predicted_peak_bytes == 2 * one <= budget  # planned beside the first
     assert admission.reserved_bytes() == sum(a.reserved_bytes for a in held) == 2 * one
@@ -72,10 +76,40 @@ def slow(model, seconds: float = 0.02):
     return model.register_forward_pre_hook(lambda *_: time.sleep(seconds))
 
 
+def test_requests_wait_for_memory_first_come_first_admitted_and_a_group_is_all_or_nothing():
+    shape = shape_of(make_tiny("llama", seed=1))
+    one = own_peak(shape, 200, 64)
+    admission = MemoryAdmission(MemoryPlanner(shape, one * 5 // 2, margin=0.0), max_waiting=2)
+    ask = Ask(list(range(3, 203)), 64)
+    first = admission.try_admit([ask])
+    assert first is not None and admission.try_admit([ask, ask]) is None  # two more do not fit beside one
+    assert admission.reserved_bytes() == one  # the group that did not fit holds nothing
+    big, small = admission.wait_turn(), admission.wait_turn()
+    assert admission.wait_turn() is None  # max_waiting already wait: the server answers 503
+    assert admission.try_admit([ask], small) is None  # fits, but an earlier waiter is ahead of it
+    assert admission.try_admit([ask]) is None  # so does a newcomer
+    assert admission.try_admit([ask, ask], big) is None  # the head still does not fit
+    first[0].release()
+    group = admission.try_admit([ask, ask], big)
+    assert group is not None and admission.reserved_bytes() == 2 * one
+    admission.leave(big)
+    assert admission.try_admit([ask], small) is None  # beside two: waits on
+    admission.leave(small)
+    kv = admission.planner.kv_bytes(200 + 64)
+    copies = next(c for c in range(2, 64) if not admission.planner.plan(200, 64, batch_kv_bytes=(c - 1) * kv).fits)
+    with pytest.raises(APIError) as err:  # so many copies never fit: 413 at once, whatever is admitted
+        admission.try_admit([Ask(list(range(3, 203)), 64, copies=copies)])
+    assert err.value.status == 413 and err.value.code == "request_too_large" and admission.refused == 1
+    assert admission.stats()["waited"] == 2 and admission.stats()["waiting"] == 0
+    for got in group:
+        got.release()
+    assert admission.reserved_bytes() == 0
+
+
 @pytest.mark.parametrize("scheduler", ["workers", "batch"])
 def test_a_queued_request_holds_its_plan_until_it_ends(scheduler):
-    """One request runs, a second waits in the queue; a third that fits beside one but not beside both is
-    refused; once they end, nothing stays reserved."""
+    """One request runs, a second waits in the queue; a third that fits alone but not beside both waits for
+    memory (neither queued nor refused) and runs once they end; nothing stays reserved after."""
     model = make_tiny("llama", seed=41)
     settings = {"workers": 1} if scheduler == "workers" else {"max_batch_size": 1}
     with serve(model, tiny_tokenizer(), scheduler=scheduler, **settings) as server:
@@ -86,32 +120,64 @@ def test_a_queued_request_holds_its_plan_until_it_ends(scheduler):
         server.app.state.service.admission = admission
         body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": NEW, "ignore_eos": True, "temperature": 0}
         handle = slow(model)
-        stop, lines, second = threading.Event(), [], {}
+        stop, lines, replies = threading.Event(), [], {}
+
+        def post(name: str, extra: dict) -> threading.Thread:
+            thread = threading.Thread(target=lambda: replies.update({name: httpx.post(
+                f"{server.base_url}/v1/completions", json={**body, **extra}, timeout=120)}), daemon=True)
+            thread.start()
+            return thread
+
         first = threading.Thread(target=stream_until, args=(server.base_url, {**body, "stream": True}, stop, lines),
                                  daemon=True)
-        waiting = threading.Thread(target=lambda: second.update(
-            response=httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)),
-            daemon=True)
         try:
             first.start()
             server.wait_until(lambda: server.queue.running == 1 and len(lines) > 2, "the first request to run")
-            waiting.start()
+            second = post("second", {})
             server.wait_until(lambda: server.queue.waiting == 1, "the second request to wait in the queue")
-            third = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
-            assert third.status_code == 413, third.text
-            assert third.json()["error"]["code"] == "request_too_large"
-            assert third.json()["error"]["admitted_mb"] == round(2 * one / 2**20, 1)
+            third = post("third", {"max_tokens": 4})
+            server.wait_until(lambda: admission.stats()["waiting"] == 1, "the third request to wait for memory")
+            assert server.queue.waiting == 1 and "third" not in replies
             assert admission.reserved_bytes() == 2 * one <= admission.planner.budget_bytes
+            stats = httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()
         finally:
             stop.set()
             first.join(60)
             handle.remove()
-        waiting.join(120)
-        assert second["response"].status_code == 200
+        second.join(120)
+        third.join(120)
+        assert replies["second"].status_code == 200 and replies["third"].status_code == 200, replies
+        assert replies["third"].json()["usage"]["completion_tokens"] == 4
         server.wait_until(lambda: admission.reserved_bytes() == 0, "every reservation to be released")
-        assert admission.refused == 1
-        ok = httpx.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
-        assert ok.status_code == 200 and admission.reserved_bytes() == 0
+        assert admission.refused == 0 and admission.waited == 1
+        assert stats["memory"]["waiting"] == 1, stats["memory"]
+
+
+@pytest.mark.parametrize("scheduler", ["workers", "batch"])
+def test_a_request_waiting_for_memory_times_out_or_is_turned_away_when_the_line_is_full(scheduler):
+    model = make_tiny("llama", seed=43)
+    with serve(model, tiny_tokenizer(), scheduler=scheduler, request_timeout=1.0) as server:
+        shape = shape_of(model)
+        ids = server.tokenizer(PROMPT)["input_ids"]
+        one = own_peak(shape, len(ids), NEW)
+        admission = MemoryAdmission(MemoryPlanner(shape, one * 3 // 2, margin=0.0), max_waiting=1)
+        server.app.state.service.admission = admission
+        held = admission.admit(ids, NEW)  # as a running request would
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
+        late = {}
+        waiter = threading.Thread(target=lambda: late.update(response=httpx.post(
+            f"{server.base_url}/v1/completions", json=body, timeout=60)), daemon=True)
+        waiter.start()
+        server.wait_until(lambda: admission.stats()["waiting"] == 1, "a request to wait for memory")
+        full = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert full.status_code == 503 and full.json()["error"]["code"] == "memory_busy", full.text
+        assert int(full.headers["Retry-After"]) >= 1
+        waiter.join(60)
+        assert late["response"].status_code == 504, late["response"].text
+        assert admission.stats()["waiting"] == 0 and admission.reserved_bytes() == held.reserved_bytes
+        held.release()
+        assert httpx.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 2},
+                          timeout=60).status_code == 200
 
 
 @pytest.mark.parametrize("scheduler", ["workers", "batch"])
