@@ -17,6 +17,11 @@ Parts (``--part``, default ``all``):
 - ``admission``: ``--admission-streams`` streams decode while one ``--long-prompt``-token prompt
   is admitted; inter-token p50 of the streams over the run and p95 while the long prompt is
   prefilled (from its submission to its first token), per scheduler.
+- ``burst``: ``--burst`` simultaneous chats whose system prompt is new to the server (a new system
+  prompt deployed: distinct text per round, so nothing of it is in the store), each with its own
+  question, ``--burst-tokens`` new tokens; per scheduler, a fresh server, ``--repeats`` interleaved
+  rounds (median wall): burst wall time, TTFT p50/p95, cached tokens per request (how many of the
+  burst reused the shared prompt).
 - ``mechanism``: the justification of the step mechanism: ms per decode step over per-request
   caches, packed (one ``[1, tokens]`` forward, SDPA per row: the SDPA path) and padded (rows
   right-padded with a mask: the eager path), against one transformers forward over a shared
@@ -213,6 +218,34 @@ def admission_part(model, tokenizer, args) -> dict:
     return {"long_prompt_tokens": len(long_ids), "streams": args.admission_streams, **out}
 
 
+# ----------------------------------------------------------------------------- a burst on a new prefix
+def burst_run(model, tokenizer, scheduler: str, system: str, requests: int, new: int) -> dict:
+    server, thread, url = start_server(model, tokenizer, scheduler)
+    try:
+        drive(url, ["Warm-up. " + q for q in questions(2)], 2, 2, 2)  # untimed; another system prompt
+        run = run_clients(kind="load", url=url, system=system, questions=questions(requests),
+                          max_tokens=[new] * requests, clients=requests)
+    finally:
+        stop_server(server, thread, model)
+    figures = load_figures(run["wall_s"], run["rows"])
+    figures["cached_tokens"] = sorted(r["usage"]["cached_tokens"] for r in run["rows"])
+    return figures
+
+
+def burst_part(model, tokenizer, args) -> dict:
+    """Per scheduler, ``--repeats`` interleaved rounds of a burst on a system prompt the server never saw."""
+    runs: dict[str, list] = {name: [] for name in SCHEDULERS}
+    for round_ in range(args.repeats):
+        for name in SCHEDULERS:
+            system = f"Deployment {round_}-{name}. " + SYSTEM_PROMPT
+            r = burst_run(model, tokenizer, name, system, args.burst, args.burst_tokens)
+            runs[name].append(r)
+            print(f"burst {name:>8}: {r['wall_s']:.2f}s, TTFT p50 {r['ttft']['p50_s']:.2f}s p95 "
+                  f"{r['ttft']['p95_s']:.2f}s, cached {r['cached_tokens']} of {r['prompt_tokens_mean']:.0f}", flush=True)
+    out = {name: sorted(r, key=lambda x: x["wall_s"])[len(r) // 2] for name, r in runs.items()}
+    return {"requests": args.burst, "new_tokens": args.burst_tokens, **out}
+
+
 # ----------------------------------------------------------------------------- the mechanism
 MECHANISMS = ("packed", "padded", "shared_dynamic_cache", "admit_packed", "admit_separate")
 
@@ -279,6 +312,13 @@ def mechanism_part(model, tokenizer, args) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def print_tables(result: dict) -> None:
+    if "burst" in result:
+        print("| scheduler | burst wall | TTFT p50 | TTFT p95 | cached tokens per request |")
+        print("|---|---:|---:|---:|---|")
+        for name in SCHEDULERS:
+            r = result["burst"][name]
+            print(f"| {name} | {r['wall_s']:.2f} s | {r['ttft']['p50_s']:.2f} s | {r['ttft']['p95_s']:.2f} s | "
+                  f"{', '.join(map(str, r['cached_tokens']))} of {r['prompt_tokens_mean']:.0f} |")
     if "load" in result:
         print("| clients | scheduler | req/s | tok/s | TTFT p50 | TTFT p95 | inter-token p50 | inter-token p95 "
               "| cached / prompt |")
@@ -325,7 +365,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["load", "admission", "mechanism", "all"], default="all")
+    parser.add_argument("--part", choices=["load", "admission", "burst", "mechanism", "all"], default="all")
+    parser.add_argument("--burst", type=int, default=8, help="simultaneous chats on a new system prompt")
+    parser.add_argument("--burst-tokens", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, figures meaningless")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
@@ -346,7 +388,7 @@ def main() -> None:
         args.clients, args.requests_per_client, args.min_requests, args.repeats = [1, 4], 1, 4, 1
         args.min_new, args.max_new, args.long_prompt, args.admission_streams = 4, 8, 300, 2
         args.stream_tokens, args.mechanism_batches, args.context, args.steps, args.rounds = 40, [1, 2], 64, 2, 1
-        args.admit_chunk = 8
+        args.admit_chunk, args.burst, args.burst_tokens = 8, 3, 4
 
     model, tokenizer = load_default_model()
     result = {"model": "Gemma-3-270M (float32, CPU)", "environment": environment(), "quick": args.quick,
@@ -357,6 +399,8 @@ def main() -> None:
         result["load"] = load_part(model, tokenizer, args)
     if args.part in ("admission", "all"):
         result["admission"] = admission_part(model, tokenizer, args)
+    if args.part in ("burst", "all"):
+        result["burst"] = burst_part(model, tokenizer, args)
     print_tables(result)
     if args.quick:  # a smoke run never lands in docs/
         import json
@@ -371,11 +415,11 @@ def main() -> None:
             import json
 
             kept = json.loads(earlier.read_text())
-            parts = {"mechanism", "load", "admission"} - set(result)
+            parts = {"mechanism", "load", "admission", "burst"} - set(result)
             result = {**result, **{k: kept[k] for k in parts if k in kept},
                       "parts_measured_at": {**kept.get("parts_measured_at", {}),
                                             **{k: result["measured_at"] for k in set(result) & {"mechanism", "load",
-                                                                                                "admission"}}}}
+                                                                                                "admission", "burst"}}}}
         folder, path = DOCS_BENCH, write_json("server_batching.json", result)
     if "load" in result:
         plot(result, folder / "server_batching.png")

@@ -92,13 +92,38 @@ class BatchRunner:
         logits once it is all in."""
         return self.step([], seqs, chunks)[1]
 
+    @property
+    def shares_prefills(self) -> bool:
+        """Whether rows can reuse each other's prompts through the store (reuse on, a store given)."""
+        return self.store is not None and reuse_state(self.model) is not None
+
+    def in_flight(self, prefilling: list[Sequence]) -> list[tuple[list[int], int]]:
+        """Each exact prefilling row's prompt and how many of its first tokens it loaded from the store
+        (a scattered, CacheBlend row is left out: what it computes is not stored as an exact prefix)."""
+        return [(seq.prompt_ids, len(seq.prompt_ids) - seq.prefill.tail.shape[1])
+                for seq in prefilling if seq.prefill is not None and not seq.prefill.scattered]
+
+    def publish(self, seq: Sequence) -> int:
+        """Store ``seq``'s prompt K/V as soon as its prefill ended, so rows waiting on it reuse it (what
+        :meth:`finish` stores later is only the rest); returns the chunks stored."""
+        state, cache = reuse_state(self.model), seq.cache
+        if state is None or not isinstance(cache, ChunkReuseCache) or cache.request is None or not cache.trackable:
+            return 0
+        stored = cache.commit(boundaries=state.boundaries(cache.token_ids(), cache.segments))
+        seq.published += stored
+        return stored
+
     def finish(self, seq: Sequence) -> int:
-        """Store the confirmed K/V of a finished (or cancelled) ``seq``; returns the chunks stored."""
+        """Store the confirmed K/V of a finished (or cancelled) ``seq``; returns the chunks it stored (those
+        :meth:`publish` stored included)."""
         state, cache = reuse_state(self.model), seq.cache
         if state is None or not isinstance(cache, ChunkReuseCache) or cache.request is None:
             return 0
         finish_request(state, cache)
-        return cache.stats.stored_chunks if cache.stats is not None else 0
+        if cache.stats is None:
+            return seq.published
+        cache.stats.stored_chunks += seq.published
+        return cache.stats.stored_chunks
 
     # ------------------------------------------------------------------ packed (SDPA)
     def _packed_forward(self, caches: list, ids: list[torch.Tensor], starts: list[int],

@@ -57,6 +57,27 @@ def plan_step(running: int, waiting: int, decoding: int, remaining: list[int], l
     return StepPlan(admit=admissions(running, waiting, limits), chunks=prefill_chunks(decoding, remaining, limits))
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def waits_for_prefill(prompt_ids: list[int], in_flight: list[tuple[list[int], int]], chunk_tokens: int) -> bool:
+    """Whether a new row should wait before its store lookup: some row still prefilling computes at least
+    ``chunk_tokens`` of this prompt's prefix that the store does not hold yet (``in_flight``: each prefilling
+    row's prompt and how many of its first tokens it loaded from the store). That row publishes its prompt
+    once prefilled, and the waiting row then reuses it exactly, instead of computing it again beside it
+    (what vLLM's block sharing gets by hashing blocks as they fill)."""
+    for other, loaded in in_flight:
+        if common_prefix(prompt_ids, other) - loaded >= chunk_tokens:
+            return True
+    return False
+
+
 def group_chunks(chunks: list[int], max_padding: float = 0.5) -> list[list[int]]:
     """Indices of ``chunks`` (tokens per prefilling row; 0 = none this step) grouped into batched
     forwards: rows are left-padded to the longest of their group, so a group is closed when its

@@ -47,6 +47,7 @@ class Sequence:
         self.first_token_at: float | None = None
         self.top_logprobs = logprobs
         self.logprobs: list[RawLogprob] = []
+        self.published = 0  # prompt chunks stored as soon as the prefill ended (BatchRunner.publish)
 
     # ------------------------------------------------------------------ state
     @property

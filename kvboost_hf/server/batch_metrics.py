@@ -27,12 +27,15 @@ class BatchMetrics:
         self.prefill_chunk = Histogram("kvboost_prefill_chunk_tokens", "Prompt tokens per prefill chunk forward",
                                        buckets=TOKEN_BUCKETS, registry=r)
         self.steps = Counter("kvboost_batch_steps", "Scheduler steps that forwarded tokens", registry=r)
+        self.shared_waits = Counter("kvboost_shared_prefill_waits",
+                                    "Rows that waited for a prompt prefix being prefilled, to reuse it", registry=r)
         self._lock = threading.Lock()
         self._sizes: deque[int] = deque(maxlen=WINDOW)
         self._tokens: deque[int] = deque(maxlen=WINDOW)
         self._waits: deque[float] = deque(maxlen=WINDOW)
         self._chunks = 0
         self._steps = 0
+        self._shared_waits = 0
 
     def observe_step(self, decoded: int, prefill_chunks: list[int]) -> None:
         """One step: ``decoded`` rows decoded, one prefill forward per entry of ``prefill_chunks``."""
@@ -57,14 +60,21 @@ class BatchMetrics:
         with self._lock:
             self._waits.append(seconds)
 
+    def observe_shared_wait(self) -> None:
+        """A row waited for another row's prefill of their shared prefix (then reused it)."""
+        self.shared_waits.inc()
+        with self._lock:
+            self._shared_waits += 1
+
     def snapshot(self) -> dict:
         """Step and chunk counts, mean batch size and tokens per step, queue wait p50/p95 (recent window)."""
         with self._lock:
             sizes, tokens, waits = list(self._sizes), list(self._tokens), sorted(self._waits)
-            steps, chunks = self._steps, self._chunks
+            steps, chunks, shared = self._steps, self._chunks, self._shared_waits
         return {
             "steps": steps,
             "prefill_chunks": chunks,
+            "shared_prefill_waits": shared,
             "mean_batch_size": statistics.fmean(sizes) if sizes else None,
             "max_batch_size_seen": max(sizes) if sizes else None,
             "mean_tokens_per_step": statistics.fmean(tokens) if tokens else None,

@@ -3,7 +3,9 @@
 One thread owns the model. Each step it frees rows whose client left or timed out, admits
 waiting rows (store lookup on their own cache), decodes every decoding row in one batched
 forward, and forwards prompt chunks within ``max_batched_tokens``, so a long prompt never stops
-the running streams for more than one chunk. A job asks for one row per generation
+the running streams for more than one chunk. A row whose prompt shares a prefix with a prompt
+being prefilled waits until that prefill ends and its K/V is in the store, then reuses it: a
+burst of requests on one new system prompt computes it once. A job asks for one row per generation
 (:mod:`~kvboost_hf.server.batch_rows`: ``n``, ``best_of`` and list prompts give several, each
 with its own logits processors and logprobs); its rows join as the batch has room, a finished
 row commits its confirmed K/V to the store, and when the job's last row ends the job gets
@@ -26,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ..batching import BatchLimits, BatchRunner, plan_step
+from ..batching.scheduler import waits_for_prefill
 from .admission import MemoryAdmission
 from .batch_metrics import BatchMetrics
 from .batch_rows import BatchRow, JobRows, RowRequest, RowsRequest
@@ -66,6 +69,7 @@ class BatchingQueue:
         self._stopping = False
         self.completed = 0
         self.skipped = 0
+        self._deferred: list[int] | None = None  # the prompt of the row waiting for a shared prefill
 
     # ------------------------------------------------------------------ surface
     @property
@@ -143,6 +147,8 @@ class BatchingQueue:
         prefilling = [row for row in self._rows if row.seq.prefilling]
         plan = plan_step(len(self._rows), self._waiting_rows(), len(decoding), [], self.limits)
         for _ in range(plan.admit):
+            if self._waits_for_prefill([row.seq for row in prefilling]):
+                break  # first come, first served: the rows behind it wait too (a few steps at most)
             row = self._admit()
             if row is not None and row.seq.prefilling:
                 prefilling.append(row)
@@ -153,10 +159,44 @@ class BatchingQueue:
             self._take(row, row_logits)
         for row, end in zip(prefilling, ends):
             if end is not None:
+                self._publish(row)
                 self._take(row, end)
         self.metrics.observe_step(len(decoding), [n for n in chunks if n])
         for row in [r for r in self._rows if r.seq.finished]:
             self._end(row)
+
+    def _waits_for_prefill(self, prefilling: list) -> bool:
+        """Whether the next row to admit shares a prefix with a prompt being prefilled that the store does
+        not hold yet: it waits for that prefill to be published and then reuses it (a burst of chats on a
+        new system prompt computes it once)."""
+        if not prefilling or not self.runner.shares_prefills:
+            return False
+        prompt = self._next_prompt()
+        if prompt is None or not waits_for_prefill(prompt, self.runner.in_flight(prefilling),
+                                                   self.runner.store.chunk_size):
+            return False
+        if self._deferred is not prompt:  # count each row once, however many steps it waits
+            self._deferred = prompt
+            self.metrics.observe_shared_wait()
+        return True
+
+    def _next_prompt(self) -> list[int] | None:
+        """The prompt of the row :meth:`_admit` would start next (None: a job run whole, or nothing waits)."""
+        for group in self._partial:
+            if group.pending:
+                return group.pending[0].request.prompt_ids
+        with self._cond:
+            job = self._incoming[0] if self._incoming else None
+        request = getattr(job, "request", None)
+        if isinstance(request, RowsRequest) and request.rows:
+            return request.rows[0].prompt_ids
+        return None
+
+    def _publish(self, row: BatchRow) -> None:
+        try:
+            self.runner.publish(row.seq)
+        except Exception:  # the rows waiting on it compute the prefix themselves: slower, never wrong
+            logger.exception("storing a prefilled prompt's K/V failed")
 
     def _waiting_rows(self) -> int:
         """Rows that could join now: every row of each waiting job (a job run whole counts one), then
