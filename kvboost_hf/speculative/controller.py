@@ -10,8 +10,9 @@ The rule (documented in docs/speculative.md):
   ``alpha`` given the previous one was. ``alpha`` is estimated from recent rounds (accepted
   tokens over accepted tokens plus rejections, decayed per round, starting from a weak prior).
 - Costs are measured wall time: a round verifying ``k`` tokens costs ``verify(k)`` in the target
-  plus ``draft_per_token * k`` in the draft. ``verify(k)`` is kept per drafted count (an average of
-  the rounds that verified that many) and interpolated between counts, from ``verify(0) = plain``;
+  plus ``draft_per_token * k`` in the draft. ``verify(k)`` is kept per drafted count (the lowest of
+  the last four rounds that verified that many, as is ``plain``: noise and first-call costs only
+  add time, and an average would keep a count priced out after one slow round) and interpolated between counts, from ``verify(0) = plain``;
   past the largest count measured it is extended with the last segment's slope. A forward over
   ``k + 1`` rows costs far less than ``k + 1`` steps and its cost per row falls as ``k`` grows (the
   weights are read once), so one slope fitted at small ``k`` would overprice long drafts: where
@@ -35,6 +36,7 @@ The rule (documented in docs/speculative.md):
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,6 +102,33 @@ class _Ema:
         self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
 
 
+class _RecentLow:
+    """The lowest of the last ``window`` samples (None before the first). A wall-clock cost is the true
+    cost plus noise that only ever adds time (another process, the first call at a new shape), so the
+    low of a short window tracks it where an average keeps an outlier for many rounds, and a round
+    length whose first measurement was inflated would otherwise never be tried again."""
+
+    def __init__(self, window: int = 4) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+
+    @property
+    def value(self) -> float | None:
+        return min(self._samples) if self._samples else None
+
+    @value.setter
+    def value(self, known: float | None) -> None:  # carried over from an earlier request
+        self._samples.clear()
+        if known is not None:
+            self._samples.append(known)
+
+    @property
+    def count(self) -> int:
+        return len(self._samples)
+
+    def add(self, sample: float) -> None:
+        self._samples.append(sample)
+
+
 class DraftController:
     """Chooses each round's draft length and learns from the round's outcome."""
 
@@ -108,11 +137,11 @@ class DraftController:
         self.round = 0
         self.accepted = self.settings.prior_accepted
         self.rejected = self.settings.prior_rejected
-        self.plain_ms = _Ema()
+        self.plain_ms = _RecentLow()
         self.verify_slope_ms = _Ema()
         self.draft_ms_per_token = _Ema()
         self.catch_up_ms_per_token = _Ema()
-        self.verify_at: dict[int, _Ema] = {}
+        self.verify_at: dict[int, _RecentLow] = {}
         self.drafted_rounds = 0
         self.off_until = -1
         self.backoff = self.settings.backoff_rounds
@@ -122,7 +151,7 @@ class DraftController:
             self.draft_ms_per_token.value = memory.draft_ms_per_token
             self.catch_up_ms_per_token.value = memory.catch_up_ms_per_token
             for k, value in (memory.verify_ms_at or {}).items():
-                self.verify_at.setdefault(k, _Ema()).value = value
+                self.verify_at.setdefault(k, _RecentLow()).value = value
             total = memory.accepted + memory.rejected
             if total > 0:  # the earlier requests' acceptance, as a prior worth PRIOR_WEIGHT rounds
                 self.accepted = PRIOR_WEIGHT * memory.accepted / total
@@ -190,6 +219,9 @@ class DraftController:
                 self.backoff = s.backoff_rounds
             self.off_until = -1
             return self._afford(best_k, best_rate * plain, unseen, remaining)
+        again = self._remeasure()
+        if again:
+            return self._afford(again, None, unseen, remaining)
         self.off_reason = (f"predicted {best_rate * plain:.2f}x plain at best (alpha {self.alpha:.2f}, plain "
                            f"{plain:.1f} ms, verify +{slope:.1f} ms/token, draft {draft:.1f} ms/token)")
         if self.off_until >= 0:
@@ -200,7 +232,7 @@ class DraftController:
     def verify_ms(self, k: int) -> float:
         """Predicted target time of a round verifying ``k`` draft tokens (see the module doc)."""
         plain = self.plain_ms.value
-        points = [(0, plain)] + sorted((n, e.value) for n, e in self.verify_at.items() if e.value is not None)
+        points = self._verify_points()
         if len(points) == 1:
             return plain + max(0.0, self.verify_slope_ms.value or 0.0) * k
         for (k0, v0), (k1, v1) in zip(points, points[1:]):
@@ -208,6 +240,30 @@ class DraftController:
                 return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
         (k0, v0), (k1, v1) = points[-2], points[-1]
         return v1 + max(0.0, (v1 - v0) / (k1 - k0)) * (k - k1)
+
+    def _verify_points(self) -> list[tuple[int, float]]:
+        """``(0, plain)`` and ``(n, verify(n))`` for every measured count, each capped by what the other
+        counts imply: a round with more rows costs at least as much (``verify(m)``,
+        ``m > n``), and a forward reads the weights once whatever its rows, so the cost per row beyond
+        ``plain`` does not rise with the rows (``plain + (verify(m) - plain) n / m``, ``m < n``). One round
+        slowed by something else (its first call at that shape, another process) then does not price
+        that count, and every longer one, out."""
+        plain = self.plain_ms.value
+        measured = {n: e.value for n, e in self.verify_at.items() if e.value is not None and n > 0}
+        points = [(0, plain)]
+        for n in sorted(measured):
+            points.append((n, min([measured[n], *(v for m, v in measured.items() if m > n),
+                                    *(plain + max(0.0, v - plain) * n / m for m, v in measured.items() if m < n)])))
+        return points
+
+    def _remeasure(self) -> int:
+        """A drafted count measured only once, to verify again before switching speculation off on the
+        strength of one round that may have paid a one-off cost (0: none, or none could pay even if its
+        verification cost nothing)."""
+        plain, draft = self.plain_ms.value, max(0.0, self.draft_ms_per_token.value or 0.0)
+        once = [k for k, e in self.verify_at.items() if e.count == 1 and 0 < k <= self.settings.max_tokens
+                and expected_tokens(self.alpha, k) * plain / (plain + draft * k) >= self.settings.min_gain]
+        return min(once) if once else 0
 
     def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float, unseen: int = 0) -> None:
         """Learn from the round just verified: ``drafted`` candidates, ``accepted`` of them kept; the
@@ -224,7 +280,7 @@ class DraftController:
         self.rejected = self.rejected * decay + (1.0 if accepted < drafted else 0.0)
         if self.plain_ms.value is not None:
             self.verify_slope_ms.add((verify_ms - self.plain_ms.value) / drafted)
-        self.verify_at.setdefault(drafted, _Ema()).add(verify_ms)
+        self.verify_at.setdefault(drafted, _RecentLow()).add(verify_ms)
         self.drafted_rounds += 1
         per_token = self.draft_ms_per_token.value
         if unseen > ROUND_TOKENS:  # a round that caught the draft up: its time is mostly that forward

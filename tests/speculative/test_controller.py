@@ -37,7 +37,8 @@ def test_useless_drafts_switch_off_and_back_off_doubles():
     choices = _run(controller, 200, accept=lambda k: 0)
     speculative = [i for i, k in enumerate(choices) if k]
     # a start round and a few rounds while the prior fades, then probes after 8, 16, 32, 64... plain rounds
-    assert len(speculative) <= 8, speculative
+    # (the first probe's count is verified twice before it is believed: one round may pay a one-off cost)
+    assert len(speculative) <= 9, speculative
     probes = [i for i in speculative if i > 10]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(gaps) >= 2 and all(b >= 2 * a - 1 for a, b in zip(gaps, gaps[1:])), probes
@@ -48,7 +49,7 @@ def test_expensive_verification_keeps_it_off_even_with_fair_acceptance():
     # 60% acceptance, but each verified token costs as much as a plain step: never pays
     controller = DraftController()
     choices = _run(controller, 60, accept=lambda k: int(0.6 * k), slope_ms=100.0, draft_ms=5.0)
-    assert sum(1 for k in choices if k) <= 4
+    assert sum(1 for k in choices if k) <= 5  # a count is verified twice before it is believed
 
 
 def test_it_comes_back_when_drafts_start_paying():
@@ -162,3 +163,24 @@ def test_short_proposals_do_not_make_long_drafts_look_expensive():
     linear = DraftController(ControllerSettings(max_tokens=16))
     linear.plain_ms.value, linear.verify_slope_ms.value = 100.0, 30.0  # only a slope known: linear pricing
     assert linear.verify_ms(16) == 100.0 + 30.0 * 16
+
+
+def test_a_round_slowed_once_does_not_price_its_count_or_longer_drafts_out():
+    """The first forward at a new row count pays one-off costs (measured on CPU: 3-7x a later one), and
+    another process can slow any round. Copying-like acceptance must still reach long drafts, and one
+    slow round must not switch speculation off for a back-off."""
+    controller = DraftController(ControllerSettings(max_tokens=16))
+    seen, chosen = set(), []
+    for i in range(60):
+        k = controller.choose()
+        cost = 100.0 + 5.0 * k
+        if k and k not in seen:
+            cost *= 4.0  # first call at this shape
+        if i % 9 == 4:
+            cost *= 3.0  # another process ran
+        seen.add(k)
+        controller.observe(k, k if i % 10 else max(0, k - 1), 0.0, cost)
+        chosen.append(k)
+    assert min(chosen[-20:]) >= 12, chosen
+    assert 0 not in chosen[3:], chosen  # never switched off
+    assert controller.verify_ms(16) == pytest.approx(180.0)
