@@ -286,7 +286,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class WarmRequest(BaseModel):
-    """``POST /v1/warm``: exactly one of ``text`` (tokenized like a completion prompt) or ``messages``."""
+    """``POST /v1/warm``: exactly one of ``text`` (tokenized like a completion prompt) or ``messages`` (the
+    opening turns of later chats: what every chat starting with them renders first is warmed)."""
 
     text: str | None = None
     messages: list[ChatMessage] | None = None
@@ -301,6 +302,19 @@ class WarmRequest(BaseModel):
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
         return self
+
+
+class WarmResponse(BaseModel):
+    """``POST /v1/warm``'s answer. ``prompt_tokens``: the tokens warmed; ``reusable_tokens``: how many of
+    them a later prompt continuing them loads from the store (its ``cached_tokens``; a prompt that is
+    exactly the warmed tokens reuses one fewer); ``reused_tokens``: how many the store already held."""
+
+    object: Literal["warm"] = "warm"
+    prompt_tokens: int
+    reusable_tokens: int
+    reused_tokens: int
+    stored_chunks: int
+    seconds: float
 
 
 class TokenizeRequest(BaseModel):

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..planner.memory import MemoryPlanner
-from ..warm import warm
 from . import schemas
 from .admission import Admitted, Ask, MemoryAdmission, plan_headers
+from .bos import BosCheck, with_warning
 from .choices import Choice, PromptPlan, candidate_params, empty_reply, rows_request, run_choices, runs_as_rows
 from .errors import APIError
 from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
@@ -33,6 +33,7 @@ from .sse import sse_events
 from .streaming_metrics import streaming_snapshot
 from .structured import GrammarCompilers, response_format_schema
 from .tools import call_schema, plain_turns, template_renders_tools, with_tools_system
+from .warming import warm_request
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Service:
         self.settings, self.queue, self.metrics = settings, queue, metrics
         self.context = context_length(model)
         self.eos_ids = stop_token_ids(model, tokenizer)
+        self.bos = BosCheck(tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
         self.grammars = GrammarCompilers(settings.grammar_cache_bytes, settings.grammar_compile_timeout,
                                          settings.grammar_compile_slots)
@@ -205,6 +207,7 @@ class Service:
             self.check_prompt_length(len(prompt_ids))
             params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
             asks.append(Ask(prompt_ids, max(params.max_tokens, 1), candidates, echo_logprobs))
+        warning = self.bos.warning([ask.prompt_ids for ask in asks])  # the ids stay as sent; the header says why not
         admitted = await self.admit(asks, request)  # all prompts together: none holds memory while another waits
         try:  # what is admitted is released if the request fails before it is queued
             for prompt, got in zip(body.prompt, admitted):
@@ -221,8 +224,8 @@ class Service:
             raise
         if body.logprobs is not None or (body.best_of or body.n) > body.n:
             params.logprobs = body.logprobs or 0  # best_of ranks candidates by their logprob
-        return await self.generate(request, "/v1/completions", plans, params, body, chat=False,
-                                   echoes=echoes or None, echo_logprobs=echo_logprobs)
+        return with_warning(await self.generate(request, "/v1/completions", plans, params, body, chat=False,
+                                                echoes=echoes or None, echo_logprobs=echo_logprobs), warning)
 
     async def chat_completion(self, body: schemas.ChatCompletionRequest, request: Request):
         self.check_model_name(body.model)
@@ -254,31 +257,7 @@ class Service:
         return sse_events(self, *args)
 
     async def warm(self, body: schemas.WarmRequest, request: Request) -> dict:
-        if not self.settings.reuse:
-            raise APIError(400, "reuse is off on this server: warming would have no effect", code="reuse_disabled")
-        if body.text is not None:
-            source: Any = body.text
-            n = len((await run_in_threadpool(self.tokenizer, body.text))["input_ids"])
-        else:
-            source = await self.chat_prompt(body.messages, add_generation_prompt=False)
-            n = len(source)
-        self.check_prompt_length(n)
-        arrival = time.perf_counter()
-        job = Job(lambda job: warm(self.model, source, self.store, tokenizer=self.tokenizer, pin=body.pin))
-        self.submit(job)
-        deadline = arrival + self.settings.request_timeout
-        try:
-            while True:
-                kind, value = await self.next_event(job, deadline, None)
-                if kind == "done":
-                    break
-                if kind == "error":
-                    raise APIError(500, f"warming failed: {value}", type="server_error")
-        except TimeoutError:
-            job.cancel()
-            raise self.timeout_error() from None
-        return {"object": "warm", "prompt_tokens": value.prompt_tokens, "reused_tokens": value.reused_tokens,
-                "stored_chunks": value.stored_chunks, "seconds": time.perf_counter() - arrival}
+        return await warm_request(self, body)
 
 
     async def admit(self, asks: list[Ask], request: Request | None = None) -> list[Admitted]:

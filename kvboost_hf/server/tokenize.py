@@ -4,6 +4,9 @@ lm-eval's ``local-completions`` probes ``/tokenizer_info`` and ``/tokenize`` and
 tokenizes through the server (its "remote" tokenizer backend) instead of loading one itself.
 Shapes: ``/tokenize`` ``{"prompt" | "messages", "add_special_tokens"}`` ->
 ``{"tokens", "count", "max_model_len"}``; ``/detokenize`` ``{"tokens"}`` -> ``{"prompt"}``.
+``/tokenizer_info`` also says ``add_bos_token``: whether the tokenizer puts ``bos_token`` before
+every text. lm-eval's remote tokenizer always asks ``/tokenize`` for no special tokens, so its
+prompts lack a ``<bos>`` such a model needs (see :mod:`.bos` and docs/server.md's lm-eval command).
 They take the API key and the body-size limit as the ``/v1`` routes do (the app's middleware).
 """
 
@@ -47,6 +50,7 @@ def install_tokenizer_routes(app: FastAPI, service) -> None:
             "tokenizer_class": type(tokenizer).__name__,
             "eos_token": tokenizer.eos_token,
             "bos_token": tokenizer.bos_token,
+            "add_bos_token": service.bos.bos_id is not None,  # the tokenizer puts bos_token before every text
             "pad_token": tokenizer.pad_token,
             "chat_template": getattr(tokenizer, "chat_template", None),
             "model_max_length": service.context,

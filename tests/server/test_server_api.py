@@ -131,7 +131,8 @@ def test_warm_endpoint_makes_the_next_chat_request_hit(tiny_server):
                       timeout=30)
     assert warm.status_code == 200
     warmed = warm.json()["prompt_tokens"]
-    assert warmed == 1 + 1 + 48  # <bos>, the system role word, the text
+    assert warmed == 1 + 1 + 48 + 1  # <bos>, the system role word, the text, the user role word every chat has next
+    assert warm.json()["reusable_tokens"] == warmed
     out = chat(client, [{"role": "system", "content": system}, {"role": "user", "content": words(9)}], max_tokens=2)
     assert out.usage.prompt_tokens_details.cached_tokens == warmed
     text = httpx.post(f"{tiny_server.base_url}/v1/warm", json={"text": cycle_words(20, start=3)}, timeout=30)
