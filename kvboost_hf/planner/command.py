@@ -6,22 +6,30 @@ import argparse
 import statistics
 import time
 
+from ..cli_checks import first_line
 from .capacity import CapacityReport, ModelShape, capacity, checkpoint_weight_bytes
 from .probe import memory_bandwidth_gb_s, memory_limit_bytes, parse_bytes
 
 
+class PlanError(ValueError):
+    """``plan`` cannot read what it was pointed at; the CLI prints the message as one line and exits 2."""
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local model path or the embedded default (default)")
+    parser.add_argument("--model", default=None,
+                        help="local model directory or HF id in the local cache (default: the embedded Gemma-3-270M)")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="dtype the model runs in (default: the config's)")
     parser.add_argument("--kv-bits", choices=["none", "8", "4"], default="none",
                         help="store precision to size the chunk store with (live K/V stay in --dtype)")
-    parser.add_argument("--memory", default=None, help="memory for weights + K/V, e.g. 24GiB (default: this machine)")
-    parser.add_argument("--context", type=int, default=8192, help="tokens per sequence (default 8192)")
-    parser.add_argument("--bandwidth", type=float, default=None,
+    parser.add_argument("--memory", default=None, metavar="SIZE",
+                        help="memory for weights + K/V, with a unit: 24GiB, 24GB, 512MiB, 2.5g "
+                             "(default: this machine's cgroup limit or physical memory)")
+    parser.add_argument("--context", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--bandwidth", type=float, default=None, metavar="GB/S",
                         help="memory bandwidth in GB/s (default: measured here in ~2 s)")
     parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every sequence shares (a system prompt)")
-    parser.add_argument("--margin", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
+    parser.add_argument("--margin", type=float, default=0.10, help="fraction of memory kept free")
     parser.add_argument("--measure", action="store_true",
                         help="also load the model and measure stored bytes per token and one decode step")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -33,8 +41,11 @@ def model_shape(model: str | None, dtype: str | None) -> tuple[ModelShape, str]:
 
     from ..models import default_model_path
 
-    path = str(default_model_path()) if model is None else model
-    config = AutoConfig.from_pretrained(path)
+    try:
+        path = str(default_model_path()) if model is None else model
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, ImportError) as err:  # no config.json, an id not cached, the model extra missing
+        raise PlanError(f"--model {model or '(embedded default)'}: cannot read its config ({first_line(err)})") from err
     shape = ModelShape.from_config(config, dtype)
     exact = checkpoint_weight_bytes(path, shape.dtype_bytes)
     return ModelShape.from_config(config, dtype, weight_bytes=exact), path
@@ -88,6 +99,8 @@ def render(report: CapacityReport, source: str) -> str:
         f"K/V per sequence at {r.context:,} tokens: {_mib(r.kv_bytes_per_sequence)}",
         f"K/V pool after weights and a {_mib(r.margin_bytes)} margin: {_mib(r.kv_pool_bytes)}",
         (f"max concurrent sequences: {r.max_sequences:,}" if r.can_serve else
+         f"cannot serve: the weights ({_mib(r.weight_bytes)}) and the margin ({_mib(r.margin_bytes)}) do not fit "
+         f"in {_mib(r.memory_bytes)}" if r.weight_bytes + r.margin_bytes >= r.memory_bytes else
          "cannot serve: the weights fit, but not one sequence of this context beside them"),
         f"decode (memory bound): {r.decode_tok_s_one_sequence:.1f} tok/s at batch 1; "
         f"{r.decode_tok_s_per_sequence_at_max:.1f} tok/s per sequence, "

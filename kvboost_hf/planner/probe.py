@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
 
+from ..units import parse_size
+
 logger = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 FALLBACK_BANDWIDTH_GB_S = 10.0
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"24GiB"``, ``"500MB"``, ``"1.5gb"`` or a plain number of bytes, as bytes (ValueError otherwise)."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 24GiB, 500MB or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """``"24GiB"``, ``"500MB"``, ``"1.5gb"`` or a plain number of bytes, as bytes (ValueError otherwise);
+    :func:`kvboost_hf.units.parse_size` with bare numbers meaning bytes."""
+    return parse_size(text, bare_unit="B")
 
 
 def memory_limit_bytes() -> int:

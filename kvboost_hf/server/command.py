@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
-from ..planner.probe import parse_bytes
+from ..cli_checks import FlagError, first_line, model_path_flag, readable_file_flag, size_flag
+from ..planner.probe import process_rss_bytes
+from ..units import format_size
 from .settings import RECOMPUTE_STRATEGIES
 
 logger = logging.getLogger(__name__)
@@ -21,26 +25,41 @@ class ServeError(Exception):
     """A set-up problem to report on the command line (bad flag value, store refused its settings)."""
 
 
+# (flag, attribute, what a bare number means: None = a unit is required)
+SIZE_FLAGS = (("--max-cache-bytes", "max_cache_bytes", "B"), ("--memory-limit", "memory_limit", None),
+              ("--max-body-size", "max_body_size", None), ("--grammar-cache", "grammar_cache", None))
+# ServerSettings fields named in its ValueErrors, and the flags that set them.
+_SETTING_FLAGS = {"max_prompt_tokens": "--max-prompt-tokens", "default_max_tokens": "--default-max-tokens",
+                  "torch_threads": "--torch-threads", "grammar_compile_slots": "--grammar-compile-slots",
+                  "workers": "--workers", "max_queue": "--max-queue", "request_timeout": "--request-timeout",
+                  "grammar_compile_timeout": "--grammar-compile-timeout", "max_batch_size": "--max-batch-size",
+                  "max_batched_tokens": "--max-batched-tokens"}
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``kvboost-hf serve`` (also ``python -m kvboost_hf.server``)."""
-    parser.add_argument("--model", default=None, help="HF model id or local path (default: embedded Gemma-3-270M)")
+    """The flags of ``kvboost-hf serve`` (also ``python -m kvboost_hf.server``). Sizes stay strings here;
+    :func:`check_serve_args` parses them."""
+    parser.add_argument("--model", default=None,
+                        help="HF model id or local model directory (default: the embedded Gemma-3-270M)")
     parser.add_argument("--served-model-name", default=None,
                         help="name clients send as 'model' (default: --model, or gemma-3-270m)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address; the default serves this machine only")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
     store = parser.add_argument_group("chunk store")
-    store.add_argument("--max-cache-bytes", type=int, default=2_000_000_000, help="store budget in bytes (RAM)")
+    store.add_argument("--max-cache-bytes", default="2GB", metavar="SIZE",
+                       help="store budget in RAM: a size such as 2GB or 1.5GiB, or a number of bytes")
     store.add_argument("--chunk-size", type=int, default=128, help="tokens per stored chunk")
     store.add_argument("--kv-bits", choices=["none", "8", "4"], default="none",
-                       help="quantize stored K/V to int8 / int4 (default: keep the model's dtype)")
+                       help="quantize stored K/V to int8 / int4 (none: keep the model's dtype)")
     store.add_argument("--disk-path", default=None, help="directory of a persistent disk tier for the store")
     store.add_argument("--remote-store", default=None, metavar="URL",
                        help="Redis URL of a tier shared by replicas (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS)")
     store.add_argument("--remote-prefix", default="kvboost",
-                       help="key prefix in the shared tier; replicas of one model deployment use the same (default kvboost)")
+                       help="key prefix in the shared tier; replicas of one model deployment use the same")
     store.add_argument("--recompute-strategy", choices=list(RECOMPUTE_STRATEGIES), default="exact",
-                       help="exact: prefix reuse only (default, token-identical); none / selective / cacheblend: also reuse moved chunks, repaired (approximate)")
+                       help="exact: prefix reuse only (token-identical); none / selective / cacheblend: also reuse "
+                            "moved chunks, repaired (approximate)")
     store.add_argument("--no-reuse", action="store_true", help="serve without cross-request reuse (for comparisons)")
     store.add_argument("--warm", action="append", default=[], metavar="TEXT",
                        help="store this text's K/V at start-up (tokenized like a completion prompt); repeatable")
@@ -50,14 +69,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="refuse longer prompts with 413 (default: the model's context)")
     limits.add_argument("--max-queue", type=int, default=64,
-                        help="requests that may wait behind the running one; more get 503 (default 64)")
-    limits.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds a request may take, queueing included; then 504 (default 600)")
+                        help="requests that may wait behind the running ones; more get 503")
+    limits.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds a request may take, queueing included; then 504")
     limits.add_argument("--default-max-tokens", type=int, default=256,
-                        help="reply length for chat requests that set no max_tokens (default 256)")
+                        help="reply length for chat requests that set no max_tokens")
     limits.add_argument("--memory-limit", default=None, metavar="SIZE",
-                        help="memory requests may use, e.g. 20GiB (default: CUDA free memory, or the cgroup limit / "
-                             "physical memory); requests predicted not to fit get 413")
+                        help="memory requests may use, with a unit: 20GiB, 512MiB, 2.5g (default: CUDA free memory, "
+                             "or the cgroup limit / physical memory); must exceed what the process holds with the "
+                             "model loaded; requests predicted not to fit get 413")
     limits.add_argument("--auto-truncate", action="store_true",
                         help="instead of 413, keep the longest prompt prefix that fits (header X-Kvboost-Truncated-From)")
     limits.add_argument("--kv-bits-fallback", type=int, nargs="+", choices=[8, 4], default=(), metavar="BITS",
@@ -65,34 +85,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "these bits (8 and/or 4; approximate, no reuse; header X-Kvboost-KV-Bits) instead of 413")
     limits.add_argument("--no-memory-planning", action="store_true", help="admit every request without a memory plan")
     limits.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
-                        help="largest request body on /v1 and the tokenizer routes; larger get 413 (default 4MiB)")
+                        help="largest request body on /v1 and the tokenizer routes, with a unit; larger get 413")
     limits.add_argument("--grammar-cache", default="512MiB", metavar="SIZE",
-                        help="memory for compiled JSON-schema grammars, least recently used evicted (default 512MiB)")
+                        help="memory for compiled JSON-schema grammars, with a unit; least recently used evicted")
     limits.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="S",
-                        help="refuse (400) a JSON schema whose grammar takes longer to compile (default 5)")
+                        help="refuse (400) a JSON schema whose grammar takes longer to compile")
     limits.add_argument("--grammar-compile-slots", type=int, default=2, metavar="N",
                         help="grammar compiles running at once; a request that finds none free within the "
-                             "timeout gets 503 (default 2)")
+                             "timeout gets 503")
     limits.add_argument("--scheduler", choices=["batch", "workers"], default=None,
                         help="batch: continuous batching, every running request decoded in one forward per step "
-                             "(default); workers: one model.generate per worker thread (the default with --draft)")
+                             "(the default); workers: one model.generate per worker thread (the default with --draft)")
     limits.add_argument("--max-batch-size", type=int, default=32,
-                        help="--scheduler batch: requests running at once (decoding or prefilling; default 32)")
+                        help="--scheduler batch: requests running at once (decoding or prefilling)")
     limits.add_argument("--max-batched-tokens", type=int, default=160,
                         help="--scheduler batch: tokens forwarded per step, one per decoding request and the rest "
-                             "prompt chunks; bounds how long a long prompt delays running streams (default 160)")
+                             "prompt chunks; bounds how long a long prompt delays running streams")
     limits.add_argument("--workers", type=int, default=None,
                         help="--scheduler workers: requests generated at once, one model.generate each "
-                             "(default: the CPU cores)")
+                             "(default: the CPU cores // torch threads per worker)")
     limits.add_argument("--torch-threads", type=int, default=None,
-                        help="torch intra-op threads (default on CPU: cores // workers, i.e. 1 per worker)")
+                        help="torch intra-op threads per forward, process wide (default: $OMP_NUM_THREADS when set; "
+                             "else on CPU every core with --scheduler batch, cores // --workers with --scheduler "
+                             "workers)")
     awq = parser.add_argument_group("AWQ layer streaming (--model must be an AutoAWQ GEMM checkpoint)")
     awq.add_argument("--awq-streaming", default=None,
                      choices=["full_resident", "partial_resident", "ffn_only_stream", "full_stream"],
                      help="load --model with StreamingAWQConfig in this residency mode (default: plain float load)")
-    awq.add_argument("--keep-first-k", type=int, default=2, help="resident first decoder layers (default 2)")
-    awq.add_argument("--keep-last-k", type=int, default=2, help="resident last decoder layers (default 2)")
-    awq.add_argument("--staging-slots", type=int, default=2, help="streamed layers materialised at once (default 2)")
+    awq.add_argument("--keep-first-k", type=int, default=2, help="resident first decoder layers")
+    awq.add_argument("--keep-last-k", type=int, default=2, help="resident last decoder layers")
+    awq.add_argument("--staging-slots", type=int, default=2, help="streamed layers materialised at once")
     awq.add_argument("--awq-host", choices=["ram", "mmap"], default="ram",
                      help="where streamed weights live: host RAM, or a converted file mapped from disk")
     spec = parser.add_argument_group("speculative decoding")
@@ -103,7 +125,85 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="self-draft LM head restricted to the N most frequent tokens (FR-Spec)")
     spec.add_argument("--draft-layers", type=int, default=None, metavar="N",
                       help="self-draft keeps the first N decoder layers")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log level of kvboost_hf and uvicorn")
+
+
+def serve_sizes(args: argparse.Namespace) -> dict[str, int | None]:
+    """Bytes of every size flag by attribute name (None when unset). Raises ServeError naming the flag."""
+    try:
+        return {name: None if getattr(args, name, None) is None else size_flag(flag, getattr(args, name), bare)
+                for flag, name, bare in SIZE_FLAGS}
+    except FlagError as err:
+        raise ServeError(str(err)) from None
+
+
+def omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as a thread count (its first level when nested, ``4,2``); None when unset."""
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    first = raw.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ServeError(f"OMP_NUM_THREADS={raw}: not a positive whole number; set e.g. OMP_NUM_THREADS=4, "
+                         "unset it, or pass --torch-threads N")
+    return int(first)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Every check that needs no store, model or server import: sizes, paths, ranges, flags that
+    contradict each other, ``OMP_NUM_THREADS``, ``--memory-limit`` against what the process holds
+    now. Raises ServeError with a one-line message that says what to change."""
+    sizes = serve_sizes(args)
+    omp_threads()
+    draft = getattr(args, "draft", None)
+    try:
+        model_path_flag("--model", args.model)
+        for name in args.warm_file:
+            readable_file_flag("--warm-file", name)
+        if draft is not None:
+            from .speculation import DRAFT_CHOICES
+
+            if draft not in DRAFT_CHOICES:  # an assistant model's directory or id
+                model_path_flag("--draft", draft)
+    except FlagError as err:
+        raise ServeError(str(err)) from None
+    if not 1 <= args.port <= 65535:
+        raise ServeError(f"--port {args.port}: use a port from 1 to 65535")
+    for flag, value in (("--torch-threads", args.torch_threads), ("--workers", args.workers)):
+        if value is not None and value < 1:
+            raise ServeError(f"{flag} {value}: must be 1 or more")
+    if getattr(args, "awq_streaming", None) is not None and args.model is None:
+        raise ServeError("--awq-streaming needs --model PATH of an AutoAWQ GEMM checkpoint (see kvboost-hf awq-pack)")
+    if args.no_reuse and (args.warm or args.warm_file):
+        raise ServeError("--warm / --warm-file need reuse; drop --no-reuse")
+    if args.no_reuse and draft:
+        raise ServeError("--draft needs reuse (the draft's prefill is reused too); drop --no-reuse")
+    if draft and args.scheduler == "batch":
+        raise ServeError("--draft runs with --scheduler workers (speculation inside a batched step is not built); "
+                         "drop --scheduler batch")
+    if (args.draft_vocab is not None or args.draft_layers is not None) and draft not in ("int4", "int8"):
+        raise ServeError("--draft-vocab / --draft-layers shape a self-draft: add --draft int4 or --draft int8")
+    if args.no_memory_planning:
+        unused = [flag for flag, on in (("--memory-limit", args.memory_limit is not None),
+                                        ("--auto-truncate", args.auto_truncate),
+                                        ("--kv-bits-fallback", bool(args.kv_bits_fallback))) if on]
+        if unused:
+            raise ServeError(f"{' / '.join(unused)}: only the memory planner uses them; drop --no-memory-planning "
+                             "or drop them")
+    if getattr(args, "awq_streaming", None) is None:  # a plain load stays on the CPU: RSS is what the limit bounds
+        check_memory_limit(sizes["memory_limit"], "before loading the model")
+
+
+def check_memory_limit(limit: int | None, when: str) -> None:
+    """ServeError when ``limit`` bytes are not more than this process's resident memory now: the planner
+    would have nothing to plan into (it used to fall back to 256 MiB silently)."""
+    held = process_rss_bytes()
+    if limit is None or not held or limit > held:
+        return
+    raise ServeError(f"--memory-limit {format_size(limit)} is not more than the {format_size(held)} this process "
+                     f"holds {when}; requests are planned into what is left above it: pass more, e.g. "
+                     f"--memory-limit {math.ceil(held / 2**30) + 1}GiB")
 
 
 def build_store(args: argparse.Namespace):
@@ -111,7 +211,11 @@ def build_store(args: argparse.Namespace):
     from ..store import ChunkStore
     from ..store.remote import redact
 
-    kwargs: dict = {"max_bytes": args.max_cache_bytes, "chunk_size": args.chunk_size}
+    try:
+        max_bytes = size_flag("--max-cache-bytes", args.max_cache_bytes, bare_unit="B")
+    except FlagError as err:
+        raise ServeError(str(err)) from None
+    kwargs: dict = {"max_bytes": max_bytes, "chunk_size": args.chunk_size}
     if args.kv_bits != "none":
         kwargs["kv_bits"] = int(args.kv_bits)
     if args.disk_path:
@@ -177,14 +281,17 @@ def scheduler_of(args: argparse.Namespace) -> str:
 
 
 def worker_settings(args: argparse.Namespace, device: str) -> dict:
-    """``workers`` and ``torch_threads``: on CPU one worker per core, one torch thread each (measured best);
-    the batch scheduler has one thread, with every core."""
+    """``workers`` and ``torch_threads``. Threads per forward: ``--torch-threads``, else ``OMP_NUM_THREADS``,
+    else on CPU every core for the batch scheduler (one thread runs the batch) or ``cores // workers``
+    (one worker per core, one thread each: measured best). Workers default to ``cores // threads``."""
     cores = available_cores()
+    threads = args.torch_threads if args.torch_threads is not None else omp_threads()
     if scheduler_of(args) == "batch":
-        return {"workers": 1, "torch_threads": args.torch_threads or (cores if device == "cpu" else None)}
-    workers = args.workers or (cores if device == "cpu" else 1)
-    threads = args.torch_threads or (max(1, cores // workers) if device == "cpu" else None)
-    return {"workers": workers, "torch_threads": threads}
+        return {"workers": 1, "torch_threads": threads or (cores if device == "cpu" else None)}
+    if device != "cpu":
+        return {"workers": args.workers or 1, "torch_threads": threads}
+    workers = args.workers or max(1, cores // (threads or 1))
+    return {"workers": workers, "torch_threads": threads or max(1, cores // workers)}
 
 
 def load_served_model(args: argparse.Namespace):
@@ -192,7 +299,12 @@ def load_served_model(args: argparse.Namespace):
     from ..models import load_model
 
     if getattr(args, "awq_streaming", None) is None:
-        return load_model(args.model)
+        try:
+            return load_model(args.model)
+        except (OSError, ValueError) as err:  # not a model directory, an id not on the hub or offline, bad config
+            what = f"--model {args.model}" if args.model else "the embedded model"
+            raise ServeError(f"{what} does not load ({first_line(err)}); pass a local model directory "
+                             "or a Hugging Face model id") from err
     if args.model is None:
         raise ServeError("--awq-streaming needs --model PATH of an AutoAWQ GEMM checkpoint (see kvboost-hf awq-pack)")
     from ..streaming import StreamingAWQConfig, load_awq_model
@@ -206,8 +318,19 @@ def load_served_model(args: argparse.Namespace):
         raise ServeError(f"--awq-streaming: {err}") from err
 
 
+def _flag_names(message: str) -> str:
+    """A ServerSettings error in terms of the flags that set the fields it names."""
+    for field, flag in _SETTING_FLAGS.items():
+        message = re.sub(rf"(?<![\w'-]){field}(?![\w'])", flag, message)
+    return message
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Load the model, build the store and app, warm, and run uvicorn until interrupted."""
+    """Check the flags, build the store and settings, load the model, build the app, warm, and run
+    uvicorn until interrupted. Every set-up problem is a ServeError, raised before the slow steps
+    it would otherwise follow."""
+    check_serve_args(args)
+    sizes = serve_sizes(args)
     try:
         import uvicorn
 
@@ -218,13 +341,7 @@ def serve(args: argparse.Namespace) -> int:
 
     store = build_store(args)
     model_device = "cpu"  # load_model keeps the model on the CPU
-    if args.no_reuse and (args.warm or args.warm_file):
-        raise ServeError("--warm / --warm-file need reuse; drop --no-reuse")
-    if args.no_reuse and args.draft:
-        raise ServeError("--draft needs reuse (the draft's prefill is reused too); drop --no-reuse")
-    if args.draft and args.scheduler == "batch":
-        raise ServeError("--draft runs with --scheduler workers (speculation inside a batched step is not built); "
-                         "drop --scheduler batch")
+    threads = worker_settings(args, model_device)
     try:
         settings = ServerSettings(
             model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
@@ -236,22 +353,27 @@ def serve(args: argparse.Namespace) -> int:
             default_max_tokens=args.default_max_tokens,
             recompute_strategy=args.recompute_strategy,
             plan_memory=not args.no_memory_planning,
-            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+            memory_limit=sizes["memory_limit"],
             auto_truncate=args.auto_truncate,
             kv_bits_fallback=tuple(args.kv_bits_fallback),
             scheduler=scheduler_of(args),
             max_batch_size=args.max_batch_size,
             max_batched_tokens=args.max_batched_tokens,
-            max_body_bytes=parse_bytes(args.max_body_size),
-            grammar_cache_bytes=parse_bytes(args.grammar_cache),
+            max_body_bytes=sizes["max_body_size"],
+            grammar_cache_bytes=sizes["grammar_cache"],
             grammar_compile_timeout=args.grammar_compile_timeout,
             grammar_compile_slots=args.grammar_compile_slots,
-            **worker_settings(args, model_device),
+            **threads,
         )
     except ValueError as err:
-        raise ServeError(str(err)) from err
+        raise ServeError(_flag_names(str(err))) from err
+    source = ("--torch-threads" if args.torch_threads else "OMP_NUM_THREADS" if omp_threads() else "default")
+    logger.info("scheduler %s, %d worker(s), torch threads %s (%s)", settings.scheduler, settings.workers,
+                settings.torch_threads or "unchanged", source)
     logger.info("loading %s", args.model or "the embedded Gemma-3-270M")
     model, tokenizer = load_served_model(args)
+    if next(model.parameters()).device.type == "cpu":
+        check_memory_limit(sizes["memory_limit"], "with the model loaded")
     try:
         app = create_app(model, tokenizer, store, settings)
         if args.draft:

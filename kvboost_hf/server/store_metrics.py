@@ -33,5 +33,7 @@ class RemoteStoreCollector(Collector):
             yield CounterMetricFamily(name, doc, value=stats[key])
         yield GaugeMetricFamily("kvboost_remote_pending_writes", "Chunks queued for the remote tier",
                                 value=stats["pending_writes"])
-        yield GaugeMetricFamily("kvboost_remote_available", "1 while the remote tier is used, 0 while skipped",
+        # "available" is the latest contact's outcome, refreshed by a PING while idle (see store.remote).
+        yield GaugeMetricFamily("kvboost_remote_available",
+                                "1 while the remote tier answers, 0 while it is down (or not reached yet)",
                                 value=1.0 if stats["available"] else 0.0)

@@ -14,8 +14,11 @@ allkeys-lru``, bounds the memory, and the client never assumes a key is still th
 Reads are synchronous with short timeouts (they are on the request's path, and cheaper than
 recomputing); writes go through a bounded queue to one background thread, never on the
 request's path. Any Redis error (down, slow, full, auth) opens a circuit breaker: the tier is
-skipped, with a warning and a counter, and retried after a back-off. A corrupt or foreign blob
-is deleted and counted, never loaded. Nothing is pickled.
+skipped, with a warning and a counter, and retried after a back-off. ``stats()["available"]``
+is the outcome of the latest contact, kept current while no request touches the tier by a PING
+from the writer thread every ``health_interval_s`` (and at start): a Redis that goes down while
+the server is idle reads as unavailable within that interval. A corrupt or foreign blob is
+deleted and counted, never loaded. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 PRECISIONS = (None, 8, 4)  # most precise first
 ANCHOR_TOKENS = 8  # successors are filed by their first tokens (at most the chunk size); shorter ones apart
 MAX_SUCCESSORS = 64  # successors read per step at most (HSCAN), whatever a hash holds
+HEALTH_INTERVAL_S = 2.0  # an idle tier is pinged this often (one PING per replica: negligible load)
 
 
 def redact(url: str) -> str:
@@ -101,7 +105,8 @@ class RemoteTier:
     """Chunk blobs in Redis under ``prefix``; every call is bounded and never raises for Redis trouble."""
 
     def __init__(self, url: str, prefix: str = "kvboost", *, ttl_s: int = 7 * 24 * 3600, timeout_s: float = 0.25,
-                 max_pending_bytes: int = 64 << 20, anchor_tokens: int = ANCHOR_TOKENS, client=None) -> None:
+                 max_pending_bytes: int = 64 << 20, anchor_tokens: int = ANCHOR_TOKENS, client=None,
+                 health_interval_s: float = HEALTH_INTERVAL_S) -> None:
         import redis  # noqa: PLC0415 - optional dependency: pip install 'kvboost_hf[redis]'
 
         self.url = redact(url)
@@ -117,6 +122,10 @@ class RemoteTier:
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self.breaker = CircuitBreaker()
+        self.health_interval_s = health_interval_s
+        self._up: bool | None = None  # outcome of the latest contact; None before the first
+        self._last_contact = time.monotonic()
+        self._last_error: str | None = None
         self.counts = dict.fromkeys(
             ("reads", "hits", "writes", "write_errors", "writes_dropped", "corrupt_dropped", "errors", "skipped"), 0
         )
@@ -148,6 +157,8 @@ class RemoteTier:
         try:
             result = fn()
         except self._errors as err:
+            self._up, self._last_contact = False, time.monotonic()
+            self._last_error = f"{type(err).__name__}: {redact(str(err))}"
             wait = self.breaker.failure()
             if wait is None:  # failed alongside the call that opened the breaker
                 self.counts["skipped"] += 1
@@ -157,7 +168,15 @@ class RemoteTier:
                            self.url, what, type(err).__name__, redact(str(err)), wait)
             return None
         self.breaker.success()
+        self._up, self._last_contact, self._last_error = True, time.monotonic(), None
         return result
+
+    def check(self) -> bool | None:
+        """PING Redis now unless the breaker holds the tier off; the tier's availability after it
+        (None before any contact)."""
+        if self.breaker.allow():
+            self._call("health check", self._client.ping)
+        return self._up
 
     # ------------------------------------------------------------------ read
     def successors(self, parent: Key, ids: tuple[int, ...]) -> dict[Key, tuple[int, ...]]:
@@ -249,8 +268,14 @@ class RemoteTier:
         self._pending.put_nowait((nbytes, (key, parent, token_ids, bits, tensors, metadata)))
 
     def _write_loop(self) -> None:
+        self.check()
         while True:
-            item = self._pending.get()
+            try:
+                item = self._pending.get(timeout=self.health_interval_s)
+            except queue.Empty:  # idle: keep "available" true to what Redis does now
+                if time.monotonic() - self._last_contact >= self.health_interval_s:
+                    self.check()
+                continue
             try:
                 if item is None:
                     return
@@ -294,5 +319,8 @@ class RemoteTier:
         self._pending.put_nowait(None)
 
     def stats(self) -> dict:
+        """Counters, queued writes, and ``available``: whether the latest contact succeeded (None before
+        the first; false while the breaker holds the tier off), with ``last_error`` while it is down."""
+        available = None if self._up is None else self._up and not self.breaker.is_open
         return {**self.counts, "pending_writes": self._pending.unfinished_tasks, "pending_bytes": self._pending_bytes,
-                "available": not self.breaker.is_open}
+                "available": available, "last_error": None if available else self._last_error}

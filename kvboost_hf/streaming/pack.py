@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from tqdm.auto import tqdm
 
+from ..cli_checks import FlagError, first_line, model_path_flag
 from .awq_format import pack_awq
 from .loader import decoder_layers
 from .quantize import rtn_quantize, search_scales
@@ -115,8 +117,12 @@ def pack_model(
     zero_point: bool = True,
     dtype: torch.dtype = torch.float16,
     tokenizer=None,
+    progress: bool = True,
 ) -> dict:
-    """Write ``model`` as an AutoAWQ GEMM checkpoint to ``out_dir``; return a summary dict."""
+    """Write ``model`` as an AutoAWQ GEMM checkpoint to ``out_dir``; return a summary dict.
+
+    With ``progress``, tqdm bars on stderr over the layers' scale search and the linears packed.
+    Raises :class:`PackError` when ``group_size`` does not divide a linear's input width."""
     out = Path(out_dir)
     prefix, layers = decoder_layers(model)
     full = model.state_dict()
@@ -131,15 +137,16 @@ def pack_model(
     for name in linears:
         in_features = model.get_submodule(name).in_features
         if in_features % group_size:
-            raise ValueError(f"group_size {group_size} does not divide in_features {in_features} of {name}")
+            raise PackError(f"group size {group_size} does not divide in_features {in_features} of {name}; "
+                            "pick a divisor of it (32, 64 or 128 usually)")
     alphas: dict[str, dict[str, float]] = {}
     if calibration_ids is not None:
         inputs = _collect_inputs(model, prefix, len(layers), calibration_ids)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(tqdm(layers, desc="AWQ scale search", unit="layer", disable=not progress)):
             alphas[str(i)] = _scale_layer(model, sd, f"{prefix}.{i}", layer, inputs, group_size, zero_point, dtype)
             logger.info("layer %d: activation-aware alphas %s", i, alphas[str(i)])
     tensors: dict[str, torch.Tensor] = {}
-    for name in linears:
+    for name in tqdm(linears, desc="int4 packing", unit="linear", disable=not progress):
         weight = sd.pop(name + ".weight")
         codes, zeros, scales = rtn_quantize(weight, group_size, zero_point, scale_dtype=dtype)
         tensors[name + ".qweight"] = pack_awq(codes.t().contiguous())
@@ -174,10 +181,12 @@ class PackError(ValueError):
 def add_awq_pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="float HF model directory, or 'default' for the embedded Gemma-3-270M")
     parser.add_argument("out", help="output directory for the AutoAWQ GEMM checkpoint")
-    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--group-size", type=int, default=128,
+                        help="input channels sharing one scale and zero point; must divide every linear's input width")
     parser.add_argument("--calibration-file", default=None,
                         help="text file for activation-aware scale search (without it: round-to-nearest)")
-    parser.add_argument("--calibration-tokens", type=int, default=512)
+    parser.add_argument("--calibration-tokens", type=int, default=512,
+                        help="tokens of --calibration-file used for the scale search")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory or HF id: tokenizes --calibration-file and is written with the "
                              "checkpoint (default: MODEL's own, when it has tokenizer files)")
@@ -185,9 +194,42 @@ def add_awq_pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", help="dtype of scales and float weights")
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+def _linear_widths(source: str) -> dict[str, int]:
+    """Input widths of the decoder's linears, from the config alone (empty when it does not say)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise PackError(f"{source}: cannot read its config ({first_line(err)}); pass a float model directory "
+                        "with config.json, or 'default'") from err
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    widths = {"hidden_size": hidden, "intermediate_size": getattr(config, "intermediate_size", None),
+              "num_attention_heads * head_dim": heads * head_dim if heads and head_dim else None}
+    return {k: v for k, v in widths.items() if isinstance(v, int)}
+
+
+def check_pack_args(args: argparse.Namespace, source: str) -> None:
+    """Cheap checks before the tokenizer and any weights load: the model directory, --group-size,
+    --calibration-tokens. Raises :class:`PackError` (one line)."""
+    try:
+        model_path_flag("MODEL", source)
+    except FlagError as err:
+        raise PackError(str(err)) from None
+    if args.group_size < 1:
+        raise PackError(f"--group-size {args.group_size}: must be 1 or more (32, 64 or 128 usually)")
+    if args.calibration_tokens < 1:
+        raise PackError(f"--calibration-tokens {args.calibration_tokens}: must be 1 or more")
+
+
+def check_group_size(group_size: int, source: str) -> None:
+    """PackError unless ``group_size`` divides the input widths the config of ``source`` gives."""
+    for what, width in _linear_widths(source).items():
+        if width % group_size:
+            raise PackError(f"--group-size {group_size} does not divide {what} ({width}) of {source}; "
+                            "pick a divisor of it (32, 64 or 128 usually)")
 
 
 def _has_tokenizer_files(path: Path) -> bool:
@@ -210,24 +252,30 @@ def load_pack_tokenizer(model: str, tokenizer: str | None):
         try:
             return AutoTokenizer.from_pretrained(tokenizer), ""
         except (OSError, ValueError, ImportError) as err:
-            raise PackError(f"cannot load the tokenizer {tokenizer!r} ({_first_line(err)})") from err
+            raise PackError(f"cannot load the tokenizer {tokenizer!r} ({first_line(err)})") from err
     if not _has_tokenizer_files(Path(model)):
         return None, f"{model} has no tokenizer files"
     try:
         return AutoTokenizer.from_pretrained(model), ""
     except (OSError, ValueError, ImportError) as err:  # missing files, or a slow tokenizer it cannot convert
-        return None, f"the tokenizer of {model} does not load ({_first_line(err)})"
+        return None, f"the tokenizer of {model} does not load ({first_line(err)})"
 
 
 def awq_pack_command(args: argparse.Namespace) -> str:
     """Run ``kvboost-hf awq-pack``; return the line the CLI prints. Raises :class:`PackError`, before
-    loading any weights, when calibration text is given but no tokenizer loads or the file cannot be read."""
+    loading any weights, for a missing model directory, a group size that does not divide the model's
+    widths, or calibration text without a tokenizer or that cannot be read."""
     from transformers import AutoModelForCausalLM
 
     from ..models import default_model_path
 
-    source = str(default_model_path()) if args.model == "default" else args.model
+    try:
+        source = str(default_model_path()) if args.model == "default" else args.model
+    except ImportError as err:
+        raise PackError(f"{first_line(err)}; pip install 'kvboost_hf[model]'") from err
+    check_pack_args(args, source)
     tokenizer, missing = load_pack_tokenizer(source, args.tokenizer)
+    check_group_size(args.group_size, source)
     text = None
     if args.calibration_file:
         if tokenizer is None:
@@ -237,7 +285,7 @@ def awq_pack_command(args: argparse.Namespace) -> str:
         try:
             text = Path(args.calibration_file).read_text(encoding="utf-8")
         except OSError as err:
-            raise PackError(f"cannot read --calibration-file ({_first_line(err)})") from err
+            raise PackError(f"cannot read --calibration-file ({first_line(err)})") from err
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     ids = None if text is None else tokenizer(text, return_tensors="pt")["input_ids"][:, : args.calibration_tokens]
     if tokenizer is None:

@@ -19,7 +19,7 @@ from kvboost_hf.server.command import (
     scheduler_of,
     worker_settings,
 )
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny, start_redis
 from tests.server.conftest import MODEL_NAME, cycle_words, save_tiny_model, serve, server_process, tiny_tokenizer
 
 
@@ -41,11 +41,13 @@ def test_store_gets_kv_bits_and_disk_path_only_when_set(tmp_path):
     quantized = build_store(parse("--kv-bits", "8", "--disk-path", str(tmp_path / "kv"), "--max-cache-bytes", "5000000",
                                   "--chunk-size", "32"))
     assert quantized.kv_bits == 8 and quantized.max_bytes == 5_000_000 and quantized.chunk_size == 32
-    with pytest.raises(ServeError, match="refused"):
+    assert build_store(parse("--max-cache-bytes", "1.5GB")).max_bytes == 1_500_000_000  # sizes take units too
+    with pytest.raises(ServeError, match="--max-cache-bytes -1: write a number and a unit"):
         build_store(parse("--max-cache-bytes", "-1"))
 
 
-def test_flag_choices():
+def test_flag_choices(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert RECOMPUTE_STRATEGIES == ("exact", "none", "selective", "cacheblend")
     assert parse().recompute_strategy == "exact"
     assert parse("--recompute-strategy", "cacheblend").recompute_strategy == "cacheblend"
@@ -95,3 +97,92 @@ def test_python_m_server_serves_a_saved_model(tmp_path):
         out = client.completions.create(model=MODEL_NAME, prompt=cycle_words(40, start=9) + " w60", max_tokens=2,
                                         temperature=0)
         assert out.usage.prompt_tokens_details.cached_tokens == 40  # warmed at start-up
+
+
+def test_omp_num_threads_sets_the_torch_threads(monkeypatch):
+    from kvboost_hf.server.command import omp_threads
+
+    cores = available_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 1))  # differs from every built-in default
+    assert omp_threads() == cores + 1
+    assert worker_settings(parse(), "cpu") == {"workers": 1, "torch_threads": cores + 1}
+    assert worker_settings(parse("--scheduler", "workers"), "cpu") == {"workers": 1, "torch_threads": cores + 1}
+    assert worker_settings(parse("--torch-threads", "1"), "cpu")["torch_threads"] == 1  # the flag wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "3,1")  # nested levels: the first is the intra-op count
+    assert omp_threads() == 3
+
+
+def test_serve_applies_omp_num_threads(monkeypatch):
+    """The whole serve() path, with the model loader and uvicorn replaced: the app's settings carry the threads."""
+    import uvicorn
+
+    import kvboost_hf.server.command as command
+
+    ran = {}
+    monkeypatch.setenv("OMP_NUM_THREADS", str(available_cores() + 1))
+    monkeypatch.setattr(command, "load_served_model", lambda args: (make_tiny("llama", seed=5), tiny_tokenizer()))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    assert main(["serve", "--port", "8123", "--max-cache-bytes", "50MB", "--chunk-size", "16"]) == 0
+    settings = ran["app"].state.settings
+    assert settings.torch_threads == available_cores() + 1 and ran["port"] == 8123
+    assert ran["app"].state.store.max_bytes == 50_000_000
+
+
+def test_bad_omp_num_threads_is_one_line(monkeypatch, capsys):
+    import uvicorn
+
+    import kvboost_hf.server.command as command
+
+    def reached(*args, **kwargs):
+        raise AssertionError("a bad OMP_NUM_THREADS got as far as loading the model")
+
+    monkeypatch.setattr(command, "load_served_model", reached)
+    monkeypatch.setattr(uvicorn, "run", reached)
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvboost-hf serve: error: OMP_NUM_THREADS=lots") and "\n" not in err
+
+
+def test_docs_say_the_thread_default_the_help_says():
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--torch-threads"))
+    assert "OMP_NUM_THREADS" in row
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--torch-threads TORCH_THREADS torch intra-op threads per forward, process wide (default: " \
+           "$OMP_NUM_THREADS when set;" in text
+
+
+def test_stats_say_the_remote_tier_is_unavailable_while_redis_is_down():
+    """Redis stops while the server is idle: /v1/stats and /metrics say so without any request
+    touching the tier, and say it is back once Redis answers on its port again."""
+    import subprocess
+
+    import httpx
+
+    proc, url = start_redis()
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    store = ChunkStore(max_bytes=50_000_000, chunk_size=16, remote=url, remote_prefix="down")
+    try:
+        with serve(make_tiny("llama", seed=6), tiny_tokenizer(), store) as server:
+            def remote():
+                return httpx.get(f"{server.base_url}/v1/stats", timeout=5).json()["store"]["remote"]
+
+            server.wait_until(lambda: remote()["available"] is True, "the first contact with Redis")
+            proc.kill()
+            proc.wait()
+            server.wait_until(lambda: remote()["available"] is False, "stats to say Redis is down")
+            down = remote()
+            assert isinstance(down["last_error"], str) and down["last_error"]
+            assert "kvboost_remote_available 0.0" in httpx.get(f"{server.base_url}/metrics").text
+            proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", port, "--save", "",
+                                     "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            server.wait_until(lambda: remote()["available"] is True, "stats to say Redis is back", timeout=90)
+            assert remote()["last_error"] is None
+    finally:
+        proc.kill()
+        proc.wait()
