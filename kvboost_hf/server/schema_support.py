@@ -20,6 +20,7 @@ A schema using one of them anywhere is refused before generation (the request's 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from itertools import combinations
 from typing import Any
 
@@ -82,6 +83,27 @@ def unsupported_construct(schema: Any) -> str | None:
             if isinstance(node.get(key), list):
                 stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key]))
     return None
+
+
+def subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object inside ``schema`` (itself included) that a keyword applies a schema through, once each."""
+    seen: set[int] = set()
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+        for key in _SCHEMA_VALUES:
+            if isinstance(node.get(key), dict):
+                stack.append(node[key])
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
 
 
 def _node_problem(node: dict[str, Any], refs: _Refs) -> str | None:

@@ -14,8 +14,10 @@ finishes on its own, and the same schema is refused at once afterwards); runs at
 ``max_compiling`` compiles at a time (others wait for a slot up to ``timeout_s``, then 503); and
 caches compiled grammars up to ``cache_bytes``.
 
-JSON is compiled without free whitespace (``any_whitespace=False``): a base model left to pick
-whitespace can emit newlines until ``max_tokens``.
+JSON is compiled without free whitespace (``any_whitespace=False``: separators ``", "`` and
+``": "``, nothing else), since a base model left to pick whitespace can emit newlines until
+``max_tokens``, and with numbers bounded to what parsers hold (int64 integers, float64 digits:
+:mod:`.json_bounds`), since one left to pick digits can write ``30000000...`` until then.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError
 from .grammar_mask import GrammarMask
+from .json_bounds import json_grammar_ebnf
 from .settings import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_SLOTS, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -94,7 +97,7 @@ class GrammarCompilers:
         import xgrammar as xgr
 
         try:
-            compiled = compiler.compile_json_schema(text, any_whitespace=False)
+            compiled = compiler.compile_grammar(json_grammar_ebnf(text))
         except (RuntimeError, ValueError, xgr.InvalidJSONError) as err:
             raise ValueError(f"the JSON schema cannot be compiled into a grammar: {err}") from None
         if not _can_start(compiled) and _can_start(compiler.compile_builtin_json_grammar()):

@@ -63,13 +63,13 @@ def fmt(schema: dict) -> dict:
 # ---------------------------------------------------------------------------- compiles
 def test_schemas_compile_on_a_thread_of_their_own_never_where_generation_runs(json_server, monkeypatch):
     threads: list[str] = []
-    original = xgr.GrammarCompiler.compile_json_schema
+    original = xgr.GrammarCompiler.compile_grammar
 
     def recording(self, *args, **kwargs):
         threads.append(threading.current_thread().name)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(xgr.GrammarCompiler, "compile_json_schema", recording)
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", recording)
     schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "n": {"type": "integer", "maximum": 7}}}
     for _ in range(2):
         out = chat(json_server, response_format=fmt(schema))
