@@ -49,6 +49,19 @@ def test_json_schema_output_validates(gemma_server, strict):
     jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
 
 
+def test_an_unbounded_integer_field_ends_on_the_base_model(gemma_server):
+    """{"name": str, "age": int} as pydantic writes it: the base model's greedy age runs to int64's 19
+    digits and stops there (it ran on until max_tokens before integers were bounded)."""
+    schema = {"properties": {"name": {"title": "Name", "type": "string"}, "age": {"title": "Age", "type": "integer"}},
+              "required": ["name", "age"], "title": "Person", "type": "object"}
+    out = ask(gemma_server, "Give the name and age of a baker from Lyon.", max_tokens=80, response_format={
+        "type": "json_schema", "json_schema": {"name": "Person", "schema": schema, "strict": True}})
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    reply = json.loads(out.choices[0].message.content)
+    jsonschema.validate(reply, schema)
+    assert -(2**63) <= reply["age"] < 2**63
+
+
 def test_json_object_is_an_object_even_when_sampled(gemma_server):
     out = ask(gemma_server, "Some JSON please.", response_format={"type": "json_object"}, temperature=0.8, seed=3,
               max_tokens=64, n=2)
