@@ -4,16 +4,19 @@ A JSON schema's ``integer`` or ``number`` without bounds admits any number of di
 model under a grammar happily writes ``"age": 30000000...`` until ``max_tokens``. Parsers hold
 integers as int64 (or less) and numbers as float64 anyway, so the grammar is narrowed to that:
 
-- an ``integer`` schema (``"type": "integer"`` or a type list with it) missing a lower or upper
-  bound gets int64's (``minimum`` -2**63, ``maximum`` 2**63-1): 19 digits at most. A bound the
-  schema gives is kept, whatever it is;
-- a ``number`` schema with one bound gets float64's largest magnitude on the other side (xgrammar
+- an ``integer`` schema (``"type": "integer"`` or a type list with it but not ``number``) missing
+  a lower or upper bound gets int64's (``minimum`` -2**63, ``maximum`` 2**63-1): 19 digits at
+  most. A bound the schema gives is kept, whatever it is;
+- a ``number`` schema (not also ``integer``) with one bound gets float64's largest magnitude on the other side (xgrammar
   writes a bounded number without exponent and with at most 6 decimals, so give both bounds to
   keep it short);
 - a ``number`` without bounds, and numbers inside values the schema leaves free (``json_object``,
   ``{}``), are at most 17 digits before the point, 17 after it and a 3-digit exponent: every
   float64 has such a spelling (17 significant digits identify one; exponents run -324..308);
 - an integer the schema does not type (inside free values) is at most 19 digits.
+
+An integer with ``multipleOf`` is left as it is: xgrammar stops enforcing ``multipleOf`` once a
+range is given (``schema_support`` refuses the two together).
 
 Nothing a parser can hold is lost; only spellings no parser keeps exactly (a 20-digit integer,
 an 18th significant digit) are. The first two are a schema rewrite (:func:`bound_schema`); the
@@ -49,9 +52,9 @@ _BOUNDED_RULES = {
 _RULE_LINE = {name: re.compile(rf"^{name} ::= .*$", re.MULTILINE) for name in _BOUNDED_RULES}
 
 
-def _has_type(node: dict[str, Any], name: str) -> bool:
+def _types(node: dict[str, Any]) -> list[Any]:
     declared = node.get("type")
-    return declared == name or (isinstance(declared, list) and name in declared)
+    return [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
 
 
 def _bound(node: dict[str, Any], low: float, high: float) -> None:
@@ -68,14 +71,18 @@ def bound_schema(schema: Any) -> Any:
         return schema
     schema = copy.deepcopy(schema)
     for node in subschemas(schema):
-        if "enum" in node or "const" in node:
-            continue
-        if _has_type(node, "integer"):
-            _bound(node, INT64_MIN, INT64_MAX)
-        elif _has_type(node, "number"):
-            sides = ("minimum" in node or "exclusiveMinimum" in node) + ("maximum" in node or "exclusiveMaximum" in node)
-            if sides == 1:  # both open: the bounded basic_number rule is shorter than a range
+        if "enum" in node or "const" in node or "multipleOf" in node:
+            continue  # listed values are bounded; xgrammar drops multipleOf once a range is given
+        types = _types(node)
+        if "number" in types and "integer" in types:
+            continue  # int64 bounds would cut off larger numbers, and xgrammar refuses float64's on integers
+        if "number" in types:
+            low = "minimum" in node or "exclusiveMinimum" in node
+            high = "maximum" in node or "exclusiveMaximum" in node
+            if low != high:  # both open: the digit-bounded number rule applies, shorter than a range
                 _bound(node, -FLOAT64_MAX, FLOAT64_MAX)
+        elif "integer" in types:
+            _bound(node, INT64_MIN, INT64_MAX)
     return schema
 
 

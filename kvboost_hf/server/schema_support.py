@@ -11,7 +11,8 @@ exactly the schema's, but for a few it is larger, so a "guaranteed" reply could 
   (``additionalProperties: false``);
 - ``allOf`` with more than one branch, ``not``, ``if`` / ``then`` / ``else``,
   ``dependentRequired``, ``dependentSchemas`` and ``uniqueItems: true`` are not enforced;
-- ``multipleOf`` is enforced on integers only.
+- ``multipleOf`` is enforced on integers only, and only without ``minimum`` / ``maximum`` (xgrammar
+  drops it once a range is given).
 
 A schema using one of them anywhere is refused before generation (the request's 400 names
 ``response_format`` or ``tools``), so every structured reply validates against its schema.
@@ -33,6 +34,7 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "propertyNames", 
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _JSON_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 _MAX_REF_DEPTH = 32
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_ONEOF_BRANCHES = 64  # pairs are compared: more branches than this are not checked, but refused
 
 
@@ -116,6 +118,8 @@ def _node_problem(node: dict[str, Any], refs: _Refs) -> str | None:
         return "'uniqueItems' is not enforced by the grammar"
     if "multipleOf" in node and _types(node, refs) != {"integer"}:
         return "'multipleOf' is enforced on integers only: give the schema \"type\": \"integer\""
+    if "multipleOf" in node and any(key in node for key in _RANGE):
+        return "'multipleOf' is not enforced by the grammar together with a minimum or maximum: drop one of them"
     branches = node.get("oneOf")
     if isinstance(branches, list) and len(branches) > MAX_ONEOF_BRANCHES:
         return f"'oneOf' with more than {MAX_ONEOF_BRANCHES} branches is not checked for overlap: use anyOf"

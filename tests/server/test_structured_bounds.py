@@ -97,7 +97,8 @@ def test_bound_schema_adds_only_missing_bounds():
                              "c": {"type": "number", "maximum": 5},
                              "d": {"type": "number"},
                              "e": {"type": "integer", "enum": [1, 2]},
-                             "f": {"type": "integer", "minimum": -1e30, "maximum": 1e30}}}
+                             "f": {"type": "integer", "minimum": -1e30, "maximum": 1e30},
+                             "g": {"type": ["integer", "number"], "minimum": 0}}}
     before = copy.deepcopy(schema)
     out = bound_schema(schema)
     assert schema == before, "the request's schema is not changed"
@@ -107,3 +108,28 @@ def test_bound_schema_adds_only_missing_bounds():
     assert out["properties"]["d"] == {"type": "number"}, "two open sides: the digit-bounded number rule"
     assert out["properties"]["e"] == before["properties"]["e"]
     assert out["properties"]["f"] == before["properties"]["f"], "a bound the schema gives is kept"
+    assert out["properties"]["g"] == before["properties"]["g"], "xgrammar takes no float64 bound on integers"
+
+
+def test_multiple_of_keeps_its_enforcement():
+    """xgrammar drops ``multipleOf`` once a range is given: no bound is added to it, and a schema giving both is
+    refused (it would let through values the schema rejects)."""
+    from kvboost_hf.server.json_bounds import bound_schema
+    from kvboost_hf.server.schema_support import unsupported_construct
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}, "required": ["n"]}
+    assert bound_schema(schema) == schema
+    assert unsupported_construct(schema) is None
+    ranged = {"type": "integer", "multipleOf": 3, "minimum": 0}
+    assert "multipleOf" in unsupported_construct(ranged)
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(["<eos>", "a"], stop_token_ids=[0]))
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(ranged), any_whitespace=False))
+    assert matcher.accept_string("7") and matcher.accept_token(0), "xgrammar now enforces it: stop refusing"
+
+
+def test_multiple_of_is_enforced_by_the_mask(grammar):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}, "required": ["n"]}
+    assert completes(grammar, schema, '{"n": 12}')
+    assert "}" not in grammar(schema, '{"n": 13')
