@@ -157,6 +157,7 @@ class RemoteTier:
         try:
             result = fn()
         except self._errors as err:
+            was_down = self._up is False
             self._up, self._last_contact = False, time.monotonic()
             self._last_error = f"{type(err).__name__}: {redact(str(err))}"
             wait = self.breaker.failure()
@@ -164,10 +165,14 @@ class RemoteTier:
                 self.counts["skipped"] += 1
                 return None
             self.counts["errors"] += 1
-            logger.warning("remote store %s unavailable during %s (%s: %s); skipping it for %.0f s",
-                           self.url, what, type(err).__name__, redact(str(err)), wait)
+            # A warning when it goes down; while it stays down (retries back off) only debug lines.
+            (logger.debug if was_down else logger.warning)(
+                "remote store %s unavailable during %s (%s: %s); skipping it for %.0f s",
+                self.url, what, type(err).__name__, redact(str(err)), wait)
             return None
         self.breaker.success()
+        if self._up is False:
+            logger.info("remote store %s is reachable again", self.url)
         self._up, self._last_contact, self._last_error = True, time.monotonic(), None
         return result
 

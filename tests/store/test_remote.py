@@ -367,3 +367,25 @@ def test_a_chain_that_starts_with_a_lone_bos_chunk_is_shared(redis_url, prefix):
     reused = last_request_stats(model).reused_tokens
     disable_chunk_reuse(model)
     assert reused == 41
+
+
+def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(caplog):
+    """Retries during an outage (every health check, every lookup after the back-off) are debug lines:
+    a store left pointing at a stopped Redis must not fill the log."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = ChunkStore(chunk_size=4, remote=f"redis://127.0.0.1:{port}/0")
+    tier = store._remote
+    with caplog.at_level(logging.DEBUG, logger="kvboost_hf.store.remote"):
+        for _ in range(3):
+            tier.breaker.open_until = 0.0  # the back-off elapsed
+            assert tier.check() is False
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
+        assert sum("unavailable" in r.getMessage() for r in caplog.records) == 3  # the retries: debug
+        tier._client.ping = lambda: True  # Redis is back
+        tier.breaker.open_until = 0.0
+        assert tier.check() is True
+        assert any(r.levelno == logging.INFO and "reachable again" in r.getMessage() for r in caplog.records)
+    store.close()
