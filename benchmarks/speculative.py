@@ -214,9 +214,10 @@ def merged(earlier: dict, partial: dict) -> dict:
     for workload, res in partial["workloads"].items():
         old = out["workloads"].get(workload, {"identical": True, "mismatches": [], "variants": {}})
         variants = dict(old["variants"])
+        plain_now = res["variants"].get("plain", {}).get("decode_tok_s")
         for name, v in res["variants"].items():
             if name != "plain" or name not in variants:  # a workload new to the file keeps its plain row
-                variants[name] = {**v, "rerun": True}
+                variants[name] = {**v, "rerun": True, "plain_decode_tok_s": plain_now}
         rerun = set(res["variants"]) - {"plain"}  # their earlier mismatches are replaced by this run's
         mismatches = [m for m in old["mismatches"] if m["variant"] not in rerun] + res["mismatches"]
         out["workloads"][workload] = {"identical": not mismatches, "mismatches": mismatches, "variants": variants}
