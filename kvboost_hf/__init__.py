@@ -8,14 +8,14 @@ and its dependencies (FastAPI, xgrammar), Redis and matplotlib load when first u
 import importlib
 from typing import Any
 
-from . import attention
-from .cache import ChunkReuseCache
-from .quantized_cache import KIVICache
-from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats
-from .state import refresh_namespace
-from .store import ChunkStore
-from .telemetry import ReuseStats
-from .warm import warm
+from kvboost_hf import attention
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.quantized_cache import KIVICache
+from kvboost_hf.reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats
+from kvboost_hf.state import refresh_namespace
+from kvboost_hf.store import ChunkStore
+from kvboost_hf.telemetry import ReuseStats
+from kvboost_hf.warm import warm
 
 __version__ = "0.1.0"
 

@@ -23,9 +23,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from .store import ChunkStore
-    from .store.keys import Key
-    from .telemetry import ReuseStats
+    from kvboost_hf.store import ChunkStore
+    from kvboost_hf.store.keys import Key
+    from kvboost_hf.telemetry import ReuseStats
 
 logger = logging.getLogger(__name__)
 _warned_unmanaged = False

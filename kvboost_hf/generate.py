@@ -12,11 +12,11 @@ import logging
 
 import torch
 
-from . import attention
-from .cache import ChunkReuseCache
-from .quantized_cache import KIVICache
-from .state import ReuseState, reuse_state
-from .telemetry import ReuseStats
+from kvboost_hf import attention
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.quantized_cache import KIVICache
+from kvboost_hf.state import ReuseState, reuse_state
+from kvboost_hf.telemetry import ReuseStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
         if kwargs.get("past_key_values") is not None:
             raise ValueError("kv_bits builds the request's cache (a KIVICache): do not pass past_key_values as well")
         kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
-    from .speculative import request as speculation  # noqa: PLC0415 - speculative builds on this module
-    from .speculative.exact_rows import verifying  # noqa: PLC0415
+    from kvboost_hf.speculative import request as speculation  # noqa: PLC0415 - speculative builds on this module
+    from kvboost_hf.speculative.exact_rows import verifying  # noqa: PLC0415
 
     spec = speculation.prepare(model, kwargs, inputs) if state is not None else None
     cache = None

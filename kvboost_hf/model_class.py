@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from .state import STATE_ATTR
+from kvboost_hf.state import STATE_ATTR
 
 _HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -42,14 +42,14 @@ class ReuseGenerateMixin:
     _kvboost_base: type
 
     def generate(self, *args, **kwargs):
-        from .generate import generate_with_reuse  # noqa: PLC0415 - generate imports reuse machinery
+        from kvboost_hf.generate import generate_with_reuse  # noqa: PLC0415 - generate imports reuse machinery
 
         return generate_with_reuse(self, super().generate, args, kwargs)
 
     def _get_candidate_generator(self, generation_config, input_ids, *args, **kwargs):
         """HF's choice of candidate generator, wrapped or replaced for a ``draft=`` request
         (:mod:`kvboost_hf.speculative.request`); HF's own otherwise."""
-        from .speculative.request import candidate_generator  # noqa: PLC0415
+        from kvboost_hf.speculative.request import candidate_generator  # noqa: PLC0415
 
         generator = super()._get_candidate_generator(generation_config, input_ids, *args, **kwargs)
         named = {**dict(zip(_CANDIDATE_ARGS, args)), **kwargs}

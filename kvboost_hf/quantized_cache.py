@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, QuantizedLayer
 
-from .store.quant import QuantizedTensor, _check_bits, default_group_size, quantize_keys, quantize_values
+from kvboost_hf.store.quant import QuantizedTensor, _check_bits, default_group_size, quantize_keys, quantize_values
 
 DEFAULT_RESIDUAL_LENGTH = 128
 KEY_AXIS, VALUE_AXIS = -2, -1  # the axis each quantizer reduces over: tokens (keys), channels (values)

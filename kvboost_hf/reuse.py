@@ -19,16 +19,16 @@ import time
 
 import torch
 
-from . import attention, model_class
-from .cache import ChunkReuseCache, _Request, as_batch
-from .repair import RepairContext, ReusePlan, in_inner_forward, make_strategy
-from .rope import RopeShifter, UnsupportedRope
-from .segments import separator_ids, turn_start_ids
-from .state import STATE_ATTR, ReuseState, namespace, reuse_state
-from .store import ChunkStore
-from .store.codec import ENTRY_OVERHEAD_BYTES
-from .store.keys import Key, UnfingerprintableModel
-from .telemetry import ReuseStats
+from kvboost_hf import attention, model_class
+from kvboost_hf.cache import ChunkReuseCache, _Request, as_batch
+from kvboost_hf.repair import RepairContext, ReusePlan, in_inner_forward, make_strategy
+from kvboost_hf.rope import RopeShifter, UnsupportedRope
+from kvboost_hf.segments import separator_ids, turn_start_ids
+from kvboost_hf.state import STATE_ATTR, ReuseState, namespace, reuse_state
+from kvboost_hf.store import ChunkStore
+from kvboost_hf.store.codec import ENTRY_OVERHEAD_BYTES
+from kvboost_hf.store.keys import Key, UnfingerprintableModel
+from kvboost_hf.telemetry import ReuseStats
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from .rope import RopeShifter
-from .segments import segment_starts
-from .store import ChunkStore
-from .store.keys import Key, model_namespace, model_state_token
-from .telemetry import ReuseStats
+from kvboost_hf.rope import RopeShifter
+from kvboost_hf.segments import segment_starts
+from kvboost_hf.store import ChunkStore
+from kvboost_hf.store.keys import Key, model_namespace, model_state_token
+from kvboost_hf.telemetry import ReuseStats
 
 STATE_ATTR = "_kvboost_reuse"
 
@@ -75,6 +75,6 @@ def refresh_namespace(model: torch.nn.Module) -> bytes:
     elements. Everything done through the parameters themselves (optimizer steps,
     ``load_state_dict``, ``copy_``, merges, ``.to()``) is noticed on the next request.
     """
-    from .reuse import _target  # noqa: PLC0415 - reuse imports this module
+    from kvboost_hf.reuse import _target  # noqa: PLC0415 - reuse imports this module
 
     return namespace(_target(model), refresh=True)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .speculative.stats import SpeculationStats
+    from kvboost_hf.speculative.stats import SpeculationStats
 
 
 @dataclass

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from .cache import ChunkReuseCache
-from .generate import finish_request
-from .reuse import _target, disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled
-from .state import namespace, reuse_state
-from .store import ChunkStore
-from .telemetry import ReuseStats
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.generate import finish_request
+from kvboost_hf.reuse import _target, disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled
+from kvboost_hf.state import namespace, reuse_state
+from kvboost_hf.store import ChunkStore
+from kvboost_hf.telemetry import ReuseStats
 
 # Stand-ins for the turn a later chat adds after the warmed messages. Their first characters are
 # of different kinds (letter, digit, punctuation), so a template text that the tokenizer merges

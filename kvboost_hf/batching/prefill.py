@@ -16,11 +16,11 @@ import logging
 import torch
 from transformers import DynamicCache
 
-from .. import attention
-from ..cache import ChunkReuseCache
-from ..repair.base import in_inner_forward, inner_forward
-from ..reuse import _start_request, _target
-from ..state import reuse_state
+from kvboost_hf import attention
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.repair.base import in_inner_forward, inner_forward
+from kvboost_hf.reuse import _start_request, _target
+from kvboost_hf.state import reuse_state
 
 logger = logging.getLogger(__name__)
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import attention
-from ..cache import ChunkReuseCache
-from ..generate import finish_request
-from ..reuse import _target
-from ..state import reuse_state
-from .packed import PACKED_ATTENTION, PackedRowsCache, packed_forward
-from .prefill import new_row_cache, start_prefill
-from .rows_cache import PaddedRowsCache, check_attention, row_masks
-from .scheduler import group_chunks
-from .sequence import Sequence
+from kvboost_hf import attention
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.generate import finish_request
+from kvboost_hf.reuse import _target
+from kvboost_hf.state import reuse_state
+from kvboost_hf.batching.packed import PACKED_ATTENTION, PackedRowsCache, packed_forward
+from kvboost_hf.batching.prefill import new_row_cache, start_prefill
+from kvboost_hf.batching.rows_cache import PaddedRowsCache, check_attention, row_masks
+from kvboost_hf.batching.scheduler import group_chunks
+from kvboost_hf.batching.sequence import Sequence
 
 
 class BatchRunner:

@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .capacity import ModelShape, kv_bytes_per_sequence, kv_bytes_per_token, quantized_kv_bytes_per_sequence
-from .probe import decode_step_seconds, memory_limit_bytes, process_rss_bytes
+from kvboost_hf.planner.capacity import ModelShape, kv_bytes_per_sequence, kv_bytes_per_token, quantized_kv_bytes_per_sequence
+from kvboost_hf.planner.probe import decode_step_seconds, memory_limit_bytes, process_rss_bytes
 
 logger = logging.getLogger(__name__)
 

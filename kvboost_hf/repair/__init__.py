@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import RepairContext, RepairOutcome, ReusePlan, in_inner_forward
-from .cacheblend import CacheBlendRepair
-from .none import StitchOnly
-from .selective import SelectiveRepair
+from kvboost_hf.repair.base import RepairContext, RepairOutcome, ReusePlan, in_inner_forward
+from kvboost_hf.repair.cacheblend import CacheBlendRepair
+from kvboost_hf.repair.none import StitchOnly
+from kvboost_hf.repair.selective import SelectiveRepair
 
 STRATEGIES = ("none", "selective", "cacheblend")
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import ChunkReuseCache, as_batch
-from ..rope import RopeShifter
-from ..store import ChunkHit
+from kvboost_hf.cache import ChunkReuseCache, as_batch
+from kvboost_hf.rope import RopeShifter
+from kvboost_hf.store import ChunkHit
 
 _inner = threading.local()
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import ScatteredQueries, set_scattered_queries
-from .base import RepairContext, RepairOutcome
+from kvboost_hf.attention import ScatteredQueries, set_scattered_queries
+from kvboost_hf.repair.base import RepairContext, RepairOutcome
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import RepairContext, RepairOutcome, assemble_in_order
+from kvboost_hf.repair.base import RepairContext, RepairOutcome, assemble_in_order
 
 
 @dataclass

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..planner.probe import process_rss_bytes
+from kvboost_hf.planner.probe import process_rss_bytes
 
 if TYPE_CHECKING:
-    from .admission import MemoryAdmission
+    from kvboost_hf.server.admission import MemoryAdmission
 
 COHORTS = (512, 2048, 8192)  # prompt-length buckets for per-cohort calibration errors
 SAMPLE_S = 0.005

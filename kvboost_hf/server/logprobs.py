@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..cache import ChunkReuseCache
-from ..generate import finish_request
-from ..planner.memory import SCORE_ROWS, SCORE_SLICES
-from ..state import namespace, reuse_state
-from ..store.keys import UnfingerprintableModel
-from ..store.logprobs import attach_logprobs, stored_logprobs
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.generate import finish_request
+from kvboost_hf.planner.memory import SCORE_ROWS, SCORE_SLICES
+from kvboost_hf.state import namespace, reuse_state
+from kvboost_hf.store.keys import UnfingerprintableModel
+from kvboost_hf.store.logprobs import attach_logprobs, stored_logprobs
 
 
 @dataclass

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from torch import nn
 
-from ..speculative import ControllerSettings, make_draft, set_default_draft, speculation_totals
+from kvboost_hf.speculative import ControllerSettings, make_draft, set_default_draft, speculation_totals
 
 DRAFT_CHOICES = ("int4", "int8", "prompt-lookup", "store")
 
@@ -38,7 +38,7 @@ def build_draft(spec: str, model: nn.Module, tokenizer, vocab: int | None = None
         raise ValueError("--draft-vocab / --draft-layers shape a self-draft: use them with --draft int4 or int8")
     if spec in ("prompt-lookup", "store"):
         return spec
-    from ..models import load_model  # noqa: PLC0415 - only for an assistant checkpoint
+    from kvboost_hf.models import load_model  # noqa: PLC0415 - only for an assistant checkpoint
 
     try:
         assistant, _ = load_model(spec)

@@ -14,10 +14,10 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from ..warm import continuation_probes, probe_texts, reusable_tokens, shared_prefix, warm
-from . import schemas
-from .errors import APIError
-from .scheduler import Job
+from kvboost_hf.warm import continuation_probes, probe_texts, reusable_tokens, shared_prefix, warm
+from kvboost_hf.server import schemas
+from kvboost_hf.server.errors import APIError
+from kvboost_hf.server.scheduler import Job
 
 
 async def chat_warm_prefix(service, messages: list[schemas.ChatMessage]) -> list[int]:

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import attention
-from ..streaming.loader import RUNTIME_ATTR
-from .verify_head import row_blocked_head
+from kvboost_hf import attention
+from kvboost_hf.streaming.loader import RUNTIME_ATTR
+from kvboost_hf.speculative.verify_head import row_blocked_head
 
 
 def needs_exact_rows(model: nn.Module) -> bool:

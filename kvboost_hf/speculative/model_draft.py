@@ -14,11 +14,11 @@ import logging
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from ..cache import ChunkReuseCache
-from ..generate import finish_request
-from ..store.index import common_prefix_length
-from ..state import namespace, reuse_state
-from ..store.keys import UnfingerprintableModel
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.generate import finish_request
+from kvboost_hf.store.index import common_prefix_length
+from kvboost_hf.state import namespace, reuse_state
+from kvboost_hf.store.keys import UnfingerprintableModel
 
 logger = logging.getLogger(__name__)
 

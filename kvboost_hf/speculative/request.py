@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, CandidateGenerator
 
-from ..state import namespace, reuse_state
-from ..store.keys import UnfingerprintableModel
-from .controller import ControllerSettings, DraftController
-from .draft_limits import draft_limits
-from .generator import FixedProposer, MeasuredCandidateGenerator
-from .lookup import LazyStoreNgrams, LookupProposer, store_ngrams
-from .model_draft import ModelProposer
-from .ngram import LookupSettings
-from .seeded import PositionGumbel, request_seed
-from .stats import SpeculationStats
+from kvboost_hf.state import namespace, reuse_state
+from kvboost_hf.store.keys import UnfingerprintableModel
+from kvboost_hf.speculative.controller import ControllerSettings, DraftController
+from kvboost_hf.speculative.draft_limits import draft_limits
+from kvboost_hf.speculative.generator import FixedProposer, MeasuredCandidateGenerator
+from kvboost_hf.speculative.lookup import LazyStoreNgrams, LookupProposer, store_ngrams
+from kvboost_hf.speculative.model_draft import ModelProposer
+from kvboost_hf.speculative.ngram import LookupSettings
+from kvboost_hf.speculative.seeded import PositionGumbel, request_seed
+from kvboost_hf.speculative.stats import SpeculationStats
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _enable_reuse_on(model: torch.nn.Module, draft: torch.nn.Module) -> None:
     draft_state = reuse_state(draft)
     if draft_state is not None and (draft_state.store is state.store or draft not in _store_followers):
         return
-    from ..reuse import enable_chunk_reuse  # noqa: PLC0415 - reuse imports the generate path
+    from kvboost_hf.reuse import enable_chunk_reuse  # noqa: PLC0415 - reuse imports the generate path
 
     enable_chunk_reuse(draft, state.store)
     _store_followers.add(draft)
@@ -240,7 +240,7 @@ def record(state, request: SpeculationRequest, cache=None) -> None:
     if request.controller is not None and request.settings.adaptive:
         state.speculation_costs[request.memory_key] = request.controller.memory()
     if request.proposer is not None:
-        from .totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
+        from kvboost_hf.speculative.totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
 
         totals_of(state).add(request.stats)
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..reuse import _target
-from ..state import reuse_state
-from .controller import ControllerSettings
-from .stats import SpeculationStats
+from kvboost_hf.reuse import _target
+from kvboost_hf.state import reuse_state
+from kvboost_hf.speculative.controller import ControllerSettings
+from kvboost_hf.speculative.stats import SpeculationStats
 
 
 @dataclass
@@ -56,7 +56,7 @@ def set_default_draft(model: torch.nn.Module, draft, settings: ControllerSetting
     if state is None:
         raise ValueError("set_default_draft needs chunk reuse: call kvboost_hf.enable_chunk_reuse(model, store) first")
     if draft is not None:
-        from .request import validate_draft  # noqa: PLC0415
+        from kvboost_hf.speculative.request import validate_draft  # noqa: PLC0415
 
         validate_draft(model, draft)
     state.default_draft, state.default_speculation = draft, settings

@@ -35,9 +35,9 @@ import xxhash
 
 import torch
 
-from .entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
-from .index import common_prefix_length
-from .keys import Key
+from kvboost_hf.store.entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
+from kvboost_hf.store.index import common_prefix_length
+from kvboost_hf.store.keys import Key
 
 logger = logging.getLogger(__name__)
 
