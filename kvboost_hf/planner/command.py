@@ -7,7 +7,8 @@ import statistics
 import time
 
 from kvboost_hf.cli_checks import first_line
-from kvboost_hf.planner.capacity import CapacityReport, ModelShape, capacity, checkpoint_weight_bytes
+from kvboost_hf.models.shape import ModelShape
+from kvboost_hf.planner.capacity import CapacityReport, capacity, checkpoint_weight_bytes
 from kvboost_hf.planner.probe import memory_bandwidth_gb_s, memory_limit_bytes, parse_bytes
 
 
@@ -55,8 +56,9 @@ def measure(model_name: str | None, dtype: str | None, report: CapacityReport, s
     """Stored bytes per token (from a real ChunkStore) and decode step time, on this machine."""
     import torch
 
-    from kvboost_hf import ChunkStore, warm
+    from kvboost_hf.generation import warm
     from kvboost_hf.models import load_model
+    from kvboost_hf.store import ChunkStore
 
     model, tokenizer = load_model(model_name)
     if dtype:

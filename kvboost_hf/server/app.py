@@ -22,8 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvboost_hf.reuse import disable_chunk_reuse, enable_chunk_reuse
-from kvboost_hf.store import ChunkStore
+from kvboost_hf.generation import disable_chunk_reuse, enable_chunk_reuse
 from kvboost_hf.server import schemas
 from kvboost_hf.server.admission import MemoryCollector
 from kvboost_hf.server.errors import APIError, install_error_handlers
@@ -34,6 +33,7 @@ from kvboost_hf.server.settings import ServerSettings
 from kvboost_hf.server.store_metrics import RemoteStoreCollector
 from kvboost_hf.server.streaming_metrics import StreamingCollector, streaming_snapshot
 from kvboost_hf.server.tokenize import install_tokenizer_routes
+from kvboost_hf.store import ChunkStore
 
 __all__ = ["context_length", "create_app"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from kvboost_hf.cli_checks import FlagError, first_line, model_path_flag, readable_file_flag, size_flag
 from kvboost_hf.planner.probe import process_rss_bytes
-from kvboost_hf.units import format_size
 from kvboost_hf.server.settings import RECOMPUTE_STRATEGIES
+from kvboost_hf.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def warm_texts(
     """
     from tqdm.auto import tqdm
 
-    from kvboost_hf.warm import warm
+    from kvboost_hf.generation.warm import warm
 
     total = 0
     sources = [(f"--warm #{i + 1}", text) for i, text in enumerate(texts)]

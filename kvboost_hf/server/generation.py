@@ -19,9 +19,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from kvboost_hf.cache import ChunkReuseCache
-from kvboost_hf.quantized_cache import KIVICache
-from kvboost_hf.reuse import is_chunk_reuse_enabled
+from kvboost_hf.cache import ChunkReuseCache, KIVICache
+from kvboost_hf.generation import is_chunk_reuse_enabled
 from kvboost_hf.server.logprobs import TokenLogprob, logprobs_at
 from kvboost_hf.server.processors import sampling_processors
 from kvboost_hf.server.stop_strings import StopStrings

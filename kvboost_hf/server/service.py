@@ -19,7 +19,15 @@ from kvboost_hf.planner.memory import MemoryPlanner
 from kvboost_hf.server import schemas
 from kvboost_hf.server.admission import Admitted, Ask, MemoryAdmission, plan_headers
 from kvboost_hf.server.bos import BosCheck, with_warning
-from kvboost_hf.server.choices import Choice, PromptPlan, candidate_params, empty_reply, rows_request, run_choices, runs_as_rows
+from kvboost_hf.server.choices import (
+    Choice,
+    PromptPlan,
+    candidate_params,
+    empty_reply,
+    rows_request,
+    run_choices,
+    runs_as_rows,
+)
 from kvboost_hf.server.errors import APIError
 from kvboost_hf.server.generation import Reply, SamplingParams, generate_reply, stop_token_ids
 from kvboost_hf.server.logprobs import PROMPT_SLICE_TOKENS, prompt_logprobs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvboost_hf.repair import STRATEGIES
+from kvboost_hf.reuse.repair import STRATEGIES
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # 16 prompts of 32k token ids fit
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 2**20  # vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB)

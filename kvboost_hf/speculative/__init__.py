@@ -6,10 +6,11 @@ a self-draft built by :func:`make_draft` from the target's own weights.
 """
 
 from kvboost_hf.speculative.controller import ControllerSettings, DraftController
+from kvboost_hf.speculative.extension import set_default_draft, speculation_totals
 from kvboost_hf.speculative.ngram import LookupSettings
 from kvboost_hf.speculative.self_draft import make_draft
 from kvboost_hf.speculative.stats import SpeculationStats
-from kvboost_hf.speculative.totals import SpeculationTotals, set_default_draft, speculation_totals
+from kvboost_hf.speculative.totals import SpeculationTotals
 
 __all__ = ["ControllerSettings", "DraftController", "LookupSettings", "SpeculationStats", "SpeculationTotals",
            "make_draft", "set_default_draft", "speculation_totals"]

@@ -31,9 +31,8 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
-import xxhash
-
 import torch
+import xxhash
 
 from kvboost_hf.store.entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
 from kvboost_hf.store.index import common_prefix_length
