@@ -34,7 +34,9 @@ model: $(MODEL_STAMP)
 demo: $(MODEL_STAMP)
 	$(BIN)/kvboost-hf demo
 
+# The import layers (pyproject.toml [tool.importlinter], docs/architecture.md) first: a broken rule fails CI.
 test: $(MODEL_STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 bench: $(MODEL_STAMP)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import platform
 import statistics
-import importlib.util
 from pathlib import Path
 
 import torch

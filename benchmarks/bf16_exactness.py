@@ -9,7 +9,7 @@ shares a prefix with the measured prompt; the measured prompt is generated greed
 - prompt cache: HF's own pattern, a DynamicCache pre-filled with the prefix, then generate.
 
 reuse vs prompt cache is bit-for-bit by construction when the prefix was computed in one forward
-of exactly the prefix (``warm``; tests/test_exactness.py); here the prefix comes from a longer
+of exactly the prefix (``warm``; tests/generation/test_exactness.py); here the prefix comes from a longer
 earlier prompt, so the stored rows come out of a differently shaped matmul. A "mismatch" is a
 prompt whose greedy continuation differs. ``hf_prompt_cache_mismatch_vs_plain`` is HF's own
 prompt-cache pattern against a full prefill: the same effect without kvboost. Writes docs/benchmarks/bf16_exactness.json.

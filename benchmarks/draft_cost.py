@@ -17,10 +17,9 @@ import json
 import time
 
 import torch
-from transformers import DynamicCache
-
 from _common import DOCS_BENCH, environment, median
 from speculative import document_prompts
+from transformers import DynamicCache
 
 from kvboost_hf import make_draft
 from kvboost_hf.models import load_default_model

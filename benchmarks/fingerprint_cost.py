@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, median, write_json  # noqa: E402
 
 from kvboost_hf.models import load_default_model  # noqa: E402
-from kvboost_hf.state import namespace  # noqa: E402
-from kvboost_hf.store.keys import model_state_token, state_tensors, weights_fingerprint  # noqa: E402
+from kvboost_hf.models.fingerprint import model_state_token, state_tensors, weights_fingerprint  # noqa: E402
+from kvboost_hf.models.namespace import namespace  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:

@@ -126,8 +126,9 @@ class LLGuidance:
 
 
 def main() -> None:
-    from kvboost_hf.models import default_model_path
     from transformers import AutoConfig, AutoTokenizer
+
+    from kvboost_hf.models import default_model_path
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

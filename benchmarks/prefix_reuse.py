@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, essays, median, write_json  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats  # noqa: E402
+from kvboost_hf.generation.timing import FirstTokenTimer  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
-from kvboost_hf.telemetry import FirstTokenTimer  # noqa: E402
 
 
 def build_prompts(tokenizer, rep: int, prefix_len: int, suffix_len: int):

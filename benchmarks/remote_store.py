@@ -32,9 +32,9 @@ from _common import environment, essays, median, write_json  # noqa: E402
 from store import CHUNK, cold_chunk_ms, load_chunk_ms, recompute_chunk_ms  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats, warm  # noqa: E402
+from kvboost_hf.generation.timing import FirstTokenTimer  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
-from kvboost_hf.state import namespace  # noqa: E402
-from kvboost_hf.telemetry import FirstTokenTimer  # noqa: E402
+from kvboost_hf.models.namespace import namespace  # noqa: E402
 from tests.conftest import start_redis  # noqa: E402
 
 SETTINGS = {"fp32 (kv_bits=None)": {}, "int4": {"kv_bits": 4}}

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DOCS_BENCH, environment, essays, median, write_json  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats, warm  # noqa: E402
+from kvboost_hf.generation.timing import FirstTokenTimer  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
-from kvboost_hf.telemetry import FirstTokenTimer  # noqa: E402
 
 STRATEGIES = {
     "none": dict(recompute_strategy="none"),

@@ -106,7 +106,7 @@ def run_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, re
     import queue
 
     from kvboost_hf import ChunkReuseCache
-    from kvboost_hf.telemetry import FirstTokenTimer
+    from kvboost_hf.generation.timing import FirstTokenTimer
 
     store = ChunkStore(max_bytes=1_000_000_000, chunk_size=128)
     if reuse:

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DOCS_BENCH, environment, essays, median  # noqa: E402
 
 from kvboost_hf import ChunkStore, enable_chunk_reuse, last_request_stats, make_draft  # noqa: E402
+from kvboost_hf.generation.timing import FirstTokenTimer  # noqa: E402
 from kvboost_hf.models import cache_dir, load_default_model  # noqa: E402
-from kvboost_hf.telemetry import FirstTokenTimer  # noqa: E402
 
 CHAT_TURNS = [
     ["Can you explain what a hash table is and why lookups are fast?", "What happens when two keys collide?",

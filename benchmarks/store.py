@@ -22,8 +22,8 @@ from _common import environment, essays, median, write_json  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats, warm  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
-from kvboost_hf.reuse import _target  # noqa: E402
-from kvboost_hf.store.keys import model_namespace  # noqa: E402
+from kvboost_hf.models.fingerprint import model_namespace  # noqa: E402
+from kvboost_hf.models.target import target_model  # noqa: E402
 
 SETTINGS = {
     "fp32 (kv_bits=None)": dict(kv_bits=None),
@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load_default_model()
-    namespace = model_namespace(_target(model))
+    namespace = model_namespace(target_model(model))
     texts = essays()
     ids = tokenizer(texts[0], return_tensors="pt")["input_ids"][:, :1024]
     prompts = []

@@ -18,8 +18,8 @@ import torch
 from transformers import HfArgumentParser
 
 from kvboost_hf import ChunkStore, enable_chunk_reuse, last_request_stats
+from kvboost_hf.generation.timing import FirstTokenTimer
 from kvboost_hf.models import load_model
-from kvboost_hf.telemetry import FirstTokenTimer
 
 
 @dataclass

@@ -8,20 +8,28 @@ and its dependencies (FastAPI, xgrammar), Redis and matplotlib load when first u
 import importlib
 from typing import Any
 
-from . import attention
-from .cache import ChunkReuseCache
-from .quantized_cache import KIVICache
-from .reuse import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled, last_request_stats
-from .state import refresh_namespace
-from .store import ChunkStore
-from .telemetry import ReuseStats
-from .warm import warm
+from kvboost_hf.cache import ChunkReuseCache, KIVICache, ReuseStats
+from kvboost_hf.generation import (
+    disable_chunk_reuse,
+    enable_chunk_reuse,
+    is_chunk_reuse_enabled,
+    last_request_stats,
+    register_extension,
+    warm,
+)
+from kvboost_hf.models import attention
+from kvboost_hf.models.namespace import refresh_namespace
+from kvboost_hf.store import ChunkStore
 
 __version__ = "0.1.0"
 
 # `kvboost_sdpa` (used by recompute_strategy="cacheblend") is known as soon as kvboost_hf is
 # imported, so a pickled cacheblend-enabled model loads in any process that imports kvboost_hf.
 attention.register()
+
+# The package's entry point wires the capabilities above the generation layer into it: speculative
+# decoding joins generate calls as an extension, imported on the first generate (not here).
+register_extension("speculation", lambda: importlib.import_module("kvboost_hf.speculative.extension").EXTENSION)
 
 # Public names imported on first use: {name: module}.
 _LAZY = {"ControllerSettings": ".speculative", "SpeculationStats": ".speculative", "make_draft": ".speculative"}

@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from .cli_checks import FlagError, first_line, model_path_flag, size_flag
+from kvboost_hf.cli_checks import FlagError, first_line, model_path_flag, size_flag
 
 DESCRIPTION = ("KV-cache reuse for Hugging Face transformers: an OpenAI-compatible server (serve), "
                "a capacity model (plan), AWQ int4 packing (awq-pack), a timed demo (demo) and the "
@@ -23,7 +23,7 @@ DESCRIPTION = ("KV-cache reuse for Hugging Face transformers: an OpenAI-compatib
 def __getattr__(name: str) -> Any:
     # kvboost_hf.cli.run_demo stays importable without importing torch for --help / --version.
     if name == "run_demo":
-        from .demo import run_demo
+        from kvboost_hf.demo import run_demo
 
         return run_demo
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -60,9 +60,9 @@ def package_version() -> str:
 
 def build_parser() -> Parser:
     """The parser of every subcommand (what ``--help`` prints)."""
-    from .planner.command import add_plan_arguments
-    from .server.command import add_serve_arguments
-    from .streaming.pack import add_awq_pack_arguments
+    from kvboost_hf.planner.command import add_plan_arguments
+    from kvboost_hf.server.command import add_serve_arguments
+    from kvboost_hf.streaming.pack import add_awq_pack_arguments
 
     parser = Parser(prog="kvboost-hf", description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -102,7 +102,7 @@ def _check_plan(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planner.command import PlanError, plan_command
+    from kvboost_hf.planner.command import PlanError, plan_command
 
     try:
         _check_plan(args)
@@ -113,7 +113,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _awq_pack(args: argparse.Namespace) -> int:
-    from .streaming.pack import PackError, awq_pack_command
+    from kvboost_hf.streaming.pack import PackError, awq_pack_command
 
     try:
         print(awq_pack_command(args))
@@ -123,7 +123,7 @@ def _awq_pack(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.command import ServeError, serve
+    from kvboost_hf.server.command import ServeError, serve
 
     logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())
     try:
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from .models import default_model_path
+    from kvboost_hf.models import default_model_path
 
     logging.getLogger("kvboost_hf").setLevel(logging.INFO)
     try:
@@ -150,8 +150,8 @@ def _demo(args: argparse.Namespace) -> int:
             raise FlagError(f"--max-new-tokens {args.max_new_tokens}: must be 1 or more")
     except FlagError as err:
         return _fail("demo", str(err))
-    from .demo import run_demo
-    from .models import load_model
+    from kvboost_hf.demo import run_demo
+    from kvboost_hf.models import load_model
 
     try:
         model, tokenizer = load_model(args.model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .units import SizeError, parse_size
+from kvboost_hf.units import SizeError, parse_size
 
 
 class FlagError(ValueError):

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from . import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
-from .telemetry import FirstTokenTimer
+from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
+from kvboost_hf.generation.timing import FirstTokenTimer
 
 DEMO_DOCUMENT = (
     "Tessellate makes modular shelving. Shelves come in oak, walnut and white ash. A standard module is "

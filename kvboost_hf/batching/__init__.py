@@ -17,12 +17,12 @@ decode forward plus prompt-chunk forwards.
 - :mod:`.runner`: executes a step's forwards — executes only.
 """
 
-from .packed import PackedRowsCache
-from .rows_cache import PaddedRowsCache, row_masks
-from .runner import BatchRunner
-from .sampling import RawLogprob, RowSampling, next_token, raw_logprob
-from .scheduler import BatchLimits, StepPlan, group_chunks, plan_step
-from .sequence import Sequence
+from kvboost_hf.batching.packed import PackedRowsCache
+from kvboost_hf.batching.rows_cache import PaddedRowsCache, row_masks
+from kvboost_hf.batching.runner import BatchRunner
+from kvboost_hf.batching.sampling import RawLogprob, RowSampling, next_token, raw_logprob
+from kvboost_hf.batching.scheduler import BatchLimits, StepPlan, group_chunks, plan_step
+from kvboost_hf.batching.sequence import Sequence
 
 __all__ = [
     "BatchLimits",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import attention
+from kvboost_hf.models import attention
 
 PACKED_ATTENTION = attention.SDPA_IMPLEMENTATIONS  # implementations a packed forward runs on
 

@@ -16,18 +16,18 @@ import logging
 import torch
 from transformers import DynamicCache
 
-from .. import attention
-from ..cache import ChunkReuseCache
-from ..repair.base import in_inner_forward, inner_forward
-from ..reuse import _start_request, _target
-from ..state import reuse_state
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.models import attention
+from kvboost_hf.models.target import target_model
+from kvboost_hf.reuse import reuse_state, start_request
+from kvboost_hf.reuse.repair.base import in_inner_forward, inner_forward
 
 logger = logging.getLogger(__name__)
 
 
 def new_row_cache(model, store) -> DynamicCache:
     """A fresh per-request cache: a ChunkReuseCache when reuse is on (and a store is given)."""
-    target = _target(model)
+    target = target_model(model)
     if store is not None and reuse_state(target) is not None:
         return ChunkReuseCache(target.config, store)
     return DynamicCache(config=target.config)
@@ -38,7 +38,7 @@ class PromptPrefill:
 
     def __init__(self, model, cache: DynamicCache, tail: torch.Tensor, positions: torch.Tensor,
                  attention_mask: torch.Tensor | None = None) -> None:
-        self.model = _target(model)
+        self.model = target_model(model)
         self.cache = cache
         self.tail = tail  # [1, n] token ids still to forward
         self.positions = positions  # [1, n] their positions
@@ -92,7 +92,7 @@ class PromptPrefill:
 def start_prefill(model, cache: DynamicCache, prompt_ids: list[int]) -> PromptPrefill:
     """Look ``prompt_ids`` up in the store (when ``cache`` is a ChunkReuseCache on a reuse-enabled
     model), load what is reused into ``cache``, and return what is left to forward."""
-    target = _target(model)
+    target = target_model(model)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
     positions = torch.arange(len(prompt_ids), device=target.device)[None, :]
     state = reuse_state(target)
@@ -100,7 +100,7 @@ def start_prefill(model, cache: DynamicCache, prompt_ids: list[int]) -> PromptPr
         return PromptPrefill(target, cache, input_ids, positions)
     kwargs = dict(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                   attention_mask=torch.ones_like(input_ids))
-    _start_request(target, state, cache, input_ids, kwargs)  # the hook's own lookup, load and repair
+    start_request(target, state, cache, input_ids, kwargs)  # the hook's own lookup, load and repair
     tail = kwargs["input_ids"]
     start = len(prompt_ids) - tail.shape[1]
     tail_positions = kwargs.get("position_ids")

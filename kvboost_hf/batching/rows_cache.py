@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvboost_hf.models.attention import attention_implementation
+
 MASKED_ATTENTION = ("sdpa", "eager", "kvboost_sdpa")  # implementations that take a 4D mask as is
 
 
@@ -63,9 +65,9 @@ def _mask(before: list[int], new: list[int], window: int | None, dtype: torch.dt
 
 def check_attention(config) -> None:
     """Raise ``ValueError`` when the model's attention cannot take prepared masks."""
-    if config._attn_implementation not in MASKED_ATTENTION:
+    if attention_implementation(config) not in MASKED_ATTENTION:
         raise ValueError(f"batched decoding needs attn_implementation in {MASKED_ATTENTION} "
-                         f"(load the model with attn_implementation='sdpa'), got {config._attn_implementation!r}")
+                         f"(load the model with attn_implementation='sdpa'), got {attention_implementation(config)!r}")
 
 
 def row_masks(config, rows: list, new: list[int], dtype: torch.dtype, device) -> StepMasks:
@@ -82,7 +84,7 @@ def row_masks(config, rows: list, new: list[int], dtype: torch.dtype, device) ->
         first = layers[kinds.index(kind)]
         before[kind] = [visible_before(row.layers[kinds.index(kind)]) for row in rows]
         window = first.sliding_window if kind else None
-        masks[kind] = _mask(before[kind], new, window, dtype, config._attn_implementation, device)
+        masks[kind] = _mask(before[kind], new, window, dtype, attention_implementation(config), device)
     if len(masks) == 1:
         return StepMasks(new, before, next(iter(masks.values())))
     layer_types = getattr(config, "layer_types", None)

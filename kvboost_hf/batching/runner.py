@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import attention
-from ..cache import ChunkReuseCache
-from ..generate import finish_request
-from ..reuse import _target
-from ..state import reuse_state
-from .packed import PACKED_ATTENTION, PackedRowsCache, packed_forward
-from .prefill import new_row_cache, start_prefill
-from .rows_cache import PaddedRowsCache, check_attention, row_masks
-from .scheduler import group_chunks
-from .sequence import Sequence
+from kvboost_hf.batching.packed import PACKED_ATTENTION, PackedRowsCache, packed_forward
+from kvboost_hf.batching.prefill import new_row_cache, start_prefill
+from kvboost_hf.batching.rows_cache import PaddedRowsCache, check_attention, row_masks
+from kvboost_hf.batching.scheduler import group_chunks
+from kvboost_hf.batching.sequence import Sequence
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.models import attention
+from kvboost_hf.models.attention import attention_implementation
+from kvboost_hf.models.target import target_model
+from kvboost_hf.reuse import commit_request, reuse_state
 
 
 class BatchRunner:
@@ -23,12 +23,12 @@ class BatchRunner:
     prompt chunks side by side, no padding, each row attending to its own cache. With eager
     attention a step is a padded decode forward plus padded prompt-chunk forwards
     (:mod:`.rows_cache`). The packed form switches the model's attention to ``kvboost_sdpa``
-    once and keeps it (:func:`kvboost_hf.attention.use_kvboost_sdpa`: stock SDPA outside a
+    once and keeps it (:func:`kvboost_hf.models.attention.use_kvboost_sdpa`: stock SDPA outside a
     routed forward; the config is shared with other threads, so no step puts it back).
     """
 
     def __init__(self, model, store=None) -> None:
-        self.model = _target(model)
+        self.model = target_model(model)
         self.store = store
         self.device = self.model.device
         self.dtype = next(self.model.parameters()).dtype
@@ -38,7 +38,7 @@ class BatchRunner:
 
     @property
     def packed(self) -> bool:
-        return self.model.config._attn_implementation in PACKED_ATTENTION
+        return attention_implementation(self.model.config) in PACKED_ATTENTION
 
     def start(self, seq: Sequence) -> None:
         """Give ``seq`` its own cache and load what the store holds of its prompt."""
@@ -119,7 +119,7 @@ class BatchRunner:
         state, cache = reuse_state(self.model), seq.cache
         if state is None or not isinstance(cache, ChunkReuseCache) or cache.request is None:
             return 0
-        finish_request(state, cache)
+        commit_request(state, cache)
         if cache.stats is None:
             return seq.published
         cache.stats.stored_chunks += seq.published
@@ -142,7 +142,7 @@ class BatchRunner:
                       past_key_values=cache, use_cache=True)
         if not attention.use_kvboost_sdpa(self.model):  # e.g. set back to "eager" since the last step
             raise RuntimeError(f"packed forward needs SDPA attention, the model now runs "
-                               f"{self.model.config._attn_implementation!r}")
+                               f"{attention_implementation(self.model.config)!r}")
         with torch.no_grad(), packed_forward(cache):
             if not keep.numel():
                 self.model.base_model(**kwargs)

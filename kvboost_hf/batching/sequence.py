@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from .prefill import PromptPrefill
-from .sampling import RawLogprob, RowSampling, next_token, raw_logprob
+from kvboost_hf.batching.prefill import PromptPrefill
+from kvboost_hf.batching.sampling import RawLogprob, RowSampling, next_token, raw_logprob
 
 
 class VisibleText(Protocol):

@@ -6,9 +6,10 @@ import argparse
 import statistics
 import time
 
-from ..cli_checks import first_line
-from .capacity import CapacityReport, ModelShape, capacity, checkpoint_weight_bytes
-from .probe import memory_bandwidth_gb_s, memory_limit_bytes, parse_bytes
+from kvboost_hf.cli_checks import first_line
+from kvboost_hf.models.shape import ModelShape
+from kvboost_hf.planner.capacity import CapacityReport, capacity, checkpoint_weight_bytes
+from kvboost_hf.planner.probe import memory_bandwidth_gb_s, memory_limit_bytes, parse_bytes
 
 
 class PlanError(ValueError):
@@ -39,7 +40,7 @@ def model_shape(model: str | None, dtype: str | None) -> tuple[ModelShape, str]:
     """The shape of ``model`` (a local path, or the embedded default) and where it was read from."""
     from transformers import AutoConfig
 
-    from ..models import default_model_path
+    from kvboost_hf.models import default_model_path
 
     try:
         path = str(default_model_path()) if model is None else model
@@ -55,8 +56,9 @@ def measure(model_name: str | None, dtype: str | None, report: CapacityReport, s
     """Stored bytes per token (from a real ChunkStore) and decode step time, on this machine."""
     import torch
 
-    from .. import ChunkStore, warm
-    from ..models import load_model
+    from kvboost_hf.generation import warm
+    from kvboost_hf.models import load_model
+    from kvboost_hf.store import ChunkStore
 
     model, tokenizer = load_model(model_name)
     if dtype:

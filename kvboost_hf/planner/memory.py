@@ -22,7 +22,7 @@ scratch terms; the K/V term stays (a request's cache holds its reused tokens too
 
 The ladder it climbs, cheapest first: every prefill chunk size at full precision, then (only
 when the caller allows it: ``kv_bits_options``) every chunk size with the live K/V in a
-:class:`~kvboost_hf.quantized_cache.KIVICache` of 8, then 4 bits. Lossless rungs always come
+:class:`~kvboost_hf.cache.kivi.KIVICache` of 8, then 4 bits. Lossless rungs always come
 first; a quantized rung is approximate and reported as such, and it reads nothing from the store
 (so reuse does not lower its prefill).
 """
@@ -32,8 +32,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .capacity import ModelShape, kv_bytes_per_sequence, kv_bytes_per_token, quantized_kv_bytes_per_sequence
-from .probe import decode_step_seconds, memory_limit_bytes, process_rss_bytes
+from kvboost_hf.models.attention import attention_implementation
+from kvboost_hf.models.shape import (
+    ModelShape,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    quantized_kv_bytes_per_sequence,
+)
+from kvboost_hf.planner.probe import decode_step_seconds, memory_limit_bytes, process_rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +282,7 @@ class MemoryPlanner:
             if free <= 0:
                 logger.warning("the process already holds more than the memory limit; planning with 256 MiB")
                 free = 256 * MIB
-        attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        attention = attention_implementation(model.config) or "sdpa"
         planner = cls(shape, free, margin=margin, sliding_capped=not reuse, attention=attention,
                       kv_bits_options=kv_bits_options)
         planner.decode_step_s = decode_step_seconds(model)

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..units import parse_size
+from kvboost_hf.units import parse_size
 
 logger = logging.getLogger(__name__)
 

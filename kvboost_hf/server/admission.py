@@ -22,9 +22,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from ..planner.memory import MIB, SCORE_SLICES, MemoryPlanner, RequestPlan
-from .calibration import Calibration, MemoryCollector, PeakMeter, residual_summary
-from .errors import APIError
+from kvboost_hf.planner.memory import MIB, SCORE_SLICES, MemoryPlanner, RequestPlan
+from kvboost_hf.server.calibration import Calibration, MemoryCollector, PeakMeter, residual_summary
+from kvboost_hf.server.errors import APIError
 
 __all__ = ["Admitted", "Ask", "MemoryAdmission", "MemoryCollector", "Reservation", "plan_headers", "residual_summary"]
 

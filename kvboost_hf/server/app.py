@@ -22,18 +22,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..reuse import disable_chunk_reuse, enable_chunk_reuse
-from ..store import ChunkStore
-from . import schemas
-from .admission import MemoryCollector
-from .errors import APIError, install_error_handlers
-from .metrics import ServerMetrics
-from .queues import make_queue
-from .service import Service, context_length
-from .settings import ServerSettings
-from .store_metrics import RemoteStoreCollector
-from .streaming_metrics import StreamingCollector, streaming_snapshot
-from .tokenize import install_tokenizer_routes
+from kvboost_hf.generation import disable_chunk_reuse, enable_chunk_reuse
+from kvboost_hf.server import schemas
+from kvboost_hf.server.admission import MemoryCollector
+from kvboost_hf.server.errors import APIError, install_error_handlers
+from kvboost_hf.server.metrics import ServerMetrics
+from kvboost_hf.server.queues import make_queue
+from kvboost_hf.server.service import Service, context_length
+from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.store_metrics import RemoteStoreCollector
+from kvboost_hf.server.streaming_metrics import StreamingCollector, streaming_snapshot
+from kvboost_hf.server.tokenize import install_tokenizer_routes
+from kvboost_hf.store import ChunkStore
 
 __all__ = ["context_length", "create_app"]
 

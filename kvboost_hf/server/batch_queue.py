@@ -27,13 +27,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..batching import BatchLimits, BatchRunner, plan_step
-from ..batching.scheduler import waits_for_prefill
-from .admission import MemoryAdmission
-from .batch_metrics import BatchMetrics
-from .batch_rows import BatchRow, JobRows, RowRequest, RowsRequest
-from .calibration import BatchCalibration
-from .scheduler import Job, QueueFullError
+from kvboost_hf.batching import BatchLimits, BatchRunner, plan_step
+from kvboost_hf.batching.scheduler import waits_for_prefill
+from kvboost_hf.server.admission import MemoryAdmission
+from kvboost_hf.server.batch_metrics import BatchMetrics
+from kvboost_hf.server.batch_rows import BatchRow, JobRows, RowRequest, RowsRequest
+from kvboost_hf.server.calibration import BatchCalibration
+from kvboost_hf.server.scheduler import Job, QueueFullError
 
 __all__ = ["BatchingQueue", "RowRequest", "RowsRequest"]
 

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..batching import RowSampling, Sequence
-from .admission import Admitted
-from .generation import Reply, ReplyText, SamplingParams, visible_tokens
-from .logprobs import TokenLogprob
-from .scheduler import Job
+from kvboost_hf.batching import RowSampling, Sequence
+from kvboost_hf.server.admission import Admitted
+from kvboost_hf.server.generation import Reply, ReplyText, SamplingParams, visible_tokens
+from kvboost_hf.server.logprobs import TokenLogprob
+from kvboost_hf.server.scheduler import Job
 
 
 @dataclass

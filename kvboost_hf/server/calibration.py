@@ -22,12 +22,22 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from ..planner.probe import process_rss_bytes
+from kvboost_hf.planner.probe import process_rss_bytes
 
-if TYPE_CHECKING:
-    from .admission import MemoryAdmission
+
+class MemoryAdmission(Protocol):
+    """What calibration reads of the server's admission (:class:`kvboost_hf.server.admission.MemoryAdmission`)."""
+
+    calibration: Calibration
+
+    def open_high(self) -> Any: ...
+
+    def close_high(self, high: Any) -> tuple[int, int]: ...
+
+    def stats(self) -> dict: ...
+
 
 COHORTS = (512, 2048, 8192)  # prompt-length buckets for per-cohort calibration errors
 SAMPLE_S = 0.005

@@ -10,10 +10,10 @@ import re
 import sys
 from pathlib import Path
 
-from ..cli_checks import FlagError, first_line, model_path_flag, readable_file_flag, size_flag
-from ..planner.probe import process_rss_bytes
-from ..units import format_size
-from .settings import RECOMPUTE_STRATEGIES
+from kvboost_hf.cli_checks import FlagError, first_line, model_path_flag, readable_file_flag, size_flag
+from kvboost_hf.planner.probe import process_rss_bytes
+from kvboost_hf.server.settings import RECOMPUTE_STRATEGIES
+from kvboost_hf.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         for name in args.warm_file:
             readable_file_flag("--warm-file", name)
         if draft is not None:
-            from .speculation import DRAFT_CHOICES
+            from kvboost_hf.server.speculation import DRAFT_CHOICES
 
             if draft not in DRAFT_CHOICES:  # an assistant model's directory or id
                 model_path_flag("--draft", draft)
@@ -208,8 +208,8 @@ def check_memory_limit(limit: int | None, when: str) -> None:
 
 def build_store(args: argparse.Namespace):
     """The ChunkStore the flags describe; only flags the user set are passed. Raises ServeError."""
-    from ..store import ChunkStore
-    from ..store.remote import redact
+    from kvboost_hf.store import ChunkStore
+    from kvboost_hf.store.remote import redact
 
     try:
         max_bytes = size_flag("--max-cache-bytes", args.max_cache_bytes, bare_unit="B")
@@ -242,7 +242,7 @@ def warm_texts(
     """
     from tqdm.auto import tqdm
 
-    from ..warm import warm
+    from kvboost_hf.generation.warm import warm
 
     total = 0
     sources = [(f"--warm #{i + 1}", text) for i, text in enumerate(texts)]
@@ -296,7 +296,7 @@ def worker_settings(args: argparse.Namespace, device: str) -> dict:
 
 def load_served_model(args: argparse.Namespace):
     """``(model, tokenizer)``: a plain load, or an AWQ-streamed one with ``--awq-streaming``. Raises ServeError."""
-    from ..models import load_model
+    from kvboost_hf.models import load_model
 
     if getattr(args, "awq_streaming", None) is None:
         try:
@@ -307,7 +307,7 @@ def load_served_model(args: argparse.Namespace):
                              "or a Hugging Face model id") from err
     if args.model is None:
         raise ServeError("--awq-streaming needs --model PATH of an AutoAWQ GEMM checkpoint (see kvboost-hf awq-pack)")
-    from ..streaming import StreamingAWQConfig, load_awq_model
+    from kvboost_hf.streaming import StreamingAWQConfig, load_awq_model
 
     try:
         config = StreamingAWQConfig(residency_mode=args.awq_streaming, keep_first_k=args.keep_first_k,
@@ -334,8 +334,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .app import context_length, create_app
-        from .settings import ServerSettings
+        from kvboost_hf.server.app import context_length, create_app
+        from kvboost_hf.server.settings import ServerSettings
     except ImportError as err:
         raise ServeError(f"the server needs its extra: pip install 'kvboost_hf[server]' ({err})") from err
 
@@ -377,7 +377,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(model, tokenizer, store, settings)
         if args.draft:
-            from .speculation import attach_speculation, build_draft
+            from kvboost_hf.server.speculation import attach_speculation, build_draft
 
             attach_speculation(app, model, build_draft(args.draft, model, tokenizer, args.draft_vocab,
                                                        args.draft_layers))

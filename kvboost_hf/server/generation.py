@@ -19,12 +19,11 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ..cache import ChunkReuseCache
-from ..quantized_cache import KIVICache
-from ..reuse import is_chunk_reuse_enabled
-from .logprobs import TokenLogprob, logprobs_at
-from .processors import sampling_processors
-from .stop_strings import StopStrings
+from kvboost_hf.cache import ChunkReuseCache, KIVICache
+from kvboost_hf.generation import is_chunk_reuse_enabled
+from kvboost_hf.server.logprobs import TokenLogprob, logprobs_at
+from kvboost_hf.server.processors import sampling_processors
+from kvboost_hf.server.stop_strings import StopStrings
 
 logger = logging.getLogger(__name__)
 

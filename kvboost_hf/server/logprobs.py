@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..cache import ChunkReuseCache
-from ..generate import finish_request
-from ..planner.memory import SCORE_ROWS, SCORE_SLICES
-from ..state import namespace, reuse_state
-from ..store.keys import UnfingerprintableModel
-from ..store.logprobs import attach_logprobs, stored_logprobs
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.models.fingerprint import UnfingerprintableModel
+from kvboost_hf.models.namespace import namespace
+from kvboost_hf.planner.memory import SCORE_ROWS, SCORE_SLICES
+from kvboost_hf.reuse import commit_request, reuse_state
+from kvboost_hf.store.logprobs import attach_logprobs, stored_logprobs
 
 
 @dataclass
@@ -145,7 +145,7 @@ def _score_on_stored_prefix(model, state, store, prompt_ids: list[int], covered:
             # From the first token: every forward stays one slice long (a DynamicCache loads nothing).
             fresh = _score(model, prompt_ids, 1, 0, DynamicCache(config=model.config), slice_tokens)
             return fresh[covered - 1:], 0
-    finish_request(state, cache)
+    commit_request(state, cache)
     return out, stats.reused_tokens
 
 

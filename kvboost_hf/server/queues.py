@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from ..batching import BatchLimits
-from .admission import MemoryAdmission
-from .batch_metrics import BatchMetrics
-from .batch_queue import BatchingQueue
-from .generation import stop_token_ids
-from .scheduler import GenerationQueue
-from .settings import ServerSettings
+from kvboost_hf.batching import BatchLimits
+from kvboost_hf.server.admission import MemoryAdmission
+from kvboost_hf.server.batch_metrics import BatchMetrics
+from kvboost_hf.server.batch_queue import BatchingQueue
+from kvboost_hf.server.generation import stop_token_ids
+from kvboost_hf.server.scheduler import GenerationQueue
+from kvboost_hf.server.settings import ServerSettings
 
 SCHEDULERS = ("batch", "workers")
 

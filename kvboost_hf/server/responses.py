@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from . import schemas
-from .choices import Choice, PromptPlan
-from .logprobs import chat_logprobs, completion_logprobs
-from .tools import ToolCall, parse_tool_calls
+from kvboost_hf.server import schemas
+from kvboost_hf.server.choices import Choice, PromptPlan
+from kvboost_hf.server.logprobs import chat_logprobs, completion_logprobs
+from kvboost_hf.server.tools import ToolCall, parse_tool_calls
 
 
 def tool_calls_of(choice: Choice, tools: list[dict[str, Any]] | None) -> list[ToolCall]:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .response_bodies import (  # noqa: F401 - re-exported: schemas.<Body> names request and response bodies
+from kvboost_hf.server.response_bodies import (  # noqa: F401 - re-exported: schemas.<Body> names request and response bodies
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -15,25 +15,33 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..planner.memory import MemoryPlanner
-from . import schemas
-from .admission import Admitted, Ask, MemoryAdmission, plan_headers
-from .bos import BosCheck, with_warning
-from .choices import Choice, PromptPlan, candidate_params, empty_reply, rows_request, run_choices, runs_as_rows
-from .errors import APIError
-from .generation import Reply, SamplingParams, generate_reply, stop_token_ids
-from .logprobs import PROMPT_SLICE_TOKENS, prompt_logprobs
-from .metrics import ServerMetrics
-from .processors import request_processors
-from .responses import ChunkWriter, chat_choice, completion_choice, usage_of
-from .scheduler import Job, QueueFullError
-from .schema_support import unsupported_construct
-from .settings import ServerSettings
-from .sse import sse_events
-from .streaming_metrics import streaming_snapshot
-from .structured import GrammarCompilers, response_format_schema
-from .tools import call_schema, plain_turns, template_renders_tools, with_tools_system
-from .warming import warm_request
+from kvboost_hf.planner.memory import MemoryPlanner
+from kvboost_hf.server import schemas
+from kvboost_hf.server.admission import Admitted, Ask, MemoryAdmission, plan_headers
+from kvboost_hf.server.bos import BosCheck, with_warning
+from kvboost_hf.server.choices import (
+    Choice,
+    PromptPlan,
+    candidate_params,
+    empty_reply,
+    rows_request,
+    run_choices,
+    runs_as_rows,
+)
+from kvboost_hf.server.errors import APIError
+from kvboost_hf.server.generation import Reply, SamplingParams, generate_reply, stop_token_ids
+from kvboost_hf.server.logprobs import PROMPT_SLICE_TOKENS, prompt_logprobs
+from kvboost_hf.server.metrics import ServerMetrics
+from kvboost_hf.server.processors import request_processors
+from kvboost_hf.server.responses import ChunkWriter, chat_choice, completion_choice, usage_of
+from kvboost_hf.server.scheduler import Job, QueueFullError
+from kvboost_hf.server.schema_support import unsupported_construct
+from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.sse import sse_events
+from kvboost_hf.server.streaming_metrics import streaming_snapshot
+from kvboost_hf.server.structured import GrammarCompilers, response_format_schema
+from kvboost_hf.server.tools import call_schema, plain_turns, template_renders_tools, with_tools_system
+from kvboost_hf.server.warming import warm_request
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..repair import STRATEGIES
+from kvboost_hf.reuse.repair import STRATEGIES
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # 16 prompts of 32k token ids fit
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 2**20  # vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB)
@@ -89,7 +89,7 @@ class ServerSettings:
         if self.scheduler not in ("batch", "workers"):
             raise ValueError(f"scheduler must be 'batch' or 'workers', got {self.scheduler!r}")
         if self.scheduler == "batch":
-            from ..batching import BatchLimits  # noqa: PLC0415 - validates the two limits
+            from kvboost_hf.batching import BatchLimits  # noqa: PLC0415 - validates the two limits
 
             BatchLimits(self.max_batch_size, self.max_batched_tokens)
         if self.api_key == "":

@@ -15,18 +15,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from torch import nn
 
-from ..speculative import ControllerSettings, make_draft, set_default_draft, speculation_totals
+from kvboost_hf.speculative import ControllerSettings, make_draft, set_default_draft, speculation_totals
+from kvboost_hf.speculative.totals import metric_fields
 
 DRAFT_CHOICES = ("int4", "int8", "prompt-lookup", "store")
 
-_COUNTERS = (
-    ("requests", "kvboost_spec_requests", "Requests decoded with speculation"),
-    ("switched_off", "kvboost_spec_switched_off", "Requests where the controller switched speculation off"),
-    ("rounds", "kvboost_spec_rounds", "Target forwards of speculative requests (plain rounds included)"),
-    ("speculative_rounds", "kvboost_spec_speculative_rounds", "Target forwards that verified draft tokens"),
-    ("drafted_tokens", "kvboost_spec_drafted_tokens", "Draft tokens verified by the target"),
-    ("accepted_tokens", "kvboost_spec_accepted_tokens", "Draft tokens the target accepted"),
-)
 
 
 def build_draft(spec: str, model: nn.Module, tokenizer, vocab: int | None = None, layers: int | None = None):
@@ -38,7 +31,7 @@ def build_draft(spec: str, model: nn.Module, tokenizer, vocab: int | None = None
         raise ValueError("--draft-vocab / --draft-layers shape a self-draft: use them with --draft int4 or int8")
     if spec in ("prompt-lookup", "store"):
         return spec
-    from ..models import load_model  # noqa: PLC0415 - only for an assistant checkpoint
+    from kvboost_hf.models import load_model  # noqa: PLC0415 - only for an assistant checkpoint
 
     try:
         assistant, _ = load_model(spec)
@@ -69,11 +62,11 @@ class SpeculationCollector(Collector):
 
     def collect(self) -> Iterator:
         totals = speculation_totals(self.model).to_dict()
-        for key, name, doc in _COUNTERS:
-            yield CounterMetricFamily(name, doc, value=totals[key])
-        yield CounterMetricFamily("kvboost_spec_draft_seconds", "Time spent drafting", value=totals["draft_ms"] / 1000)
-        yield CounterMetricFamily("kvboost_spec_verify_seconds", "Target forward time of speculative rounds",
-                                  value=totals["verify_ms"] / 1000)
+        for key, doc in metric_fields():
+            if key.endswith("_ms"):
+                yield CounterMetricFamily(f"kvboost_spec_{key[:-3]}_seconds", doc, value=totals[key] / 1000)
+            else:
+                yield CounterMetricFamily(f"kvboost_spec_{key}", doc, value=totals[key])
         yield GaugeMetricFamily("kvboost_spec_acceptance_rate", "Accepted / drafted tokens",
                                 value=totals["acceptance_rate"])
         histogram = CounterMetricFamily("kvboost_spec_accepted_per_round", "Speculative rounds by accepted tokens",

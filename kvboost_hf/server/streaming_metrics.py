@@ -20,7 +20,7 @@ def streaming_snapshot(model: nn.Module) -> dict | None:
     """The model's streaming counters as a dict, or None when it is not an AWQ-streamed model."""
     if getattr(model, "_kvboost_streaming", None) is None:  # cheap check: no plugin import for float models
         return None
-    from ..streaming import streaming_stats
+    from kvboost_hf.streaming import streaming_stats
 
     return streaming_stats(model).to_dict()
 

@@ -35,10 +35,14 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from .errors import APIError
-from .grammar_mask import GrammarMask
-from .json_bounds import json_grammar_ebnf
-from .settings import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_SLOTS, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+from kvboost_hf.server.errors import APIError
+from kvboost_hf.server.grammar_mask import GrammarMask
+from kvboost_hf.server.json_bounds import json_grammar_ebnf
+from kvboost_hf.server.settings import (
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_GRAMMAR_COMPILE_SLOTS,
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+)
 
 logger = logging.getLogger(__name__)
 

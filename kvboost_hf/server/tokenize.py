@@ -15,8 +15,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from . import schemas
-from .errors import APIError
+from kvboost_hf.server import schemas
+from kvboost_hf.server.errors import APIError
 
 
 def install_tokenizer_routes(app: FastAPI, service) -> None:

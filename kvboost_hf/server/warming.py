@@ -3,7 +3,7 @@
 Chat messages are not warmed as they render alone: many templates drop a system message that no
 user turn follows (Gemma, Llama 2) or fold it into the first user turn. The warmed tokens are the
 common prefix of the messages rendered with several stand-in next turns
-(:func:`kvboost_hf.warm.continuation_probes`): exactly what every later chat that starts with these
+(:func:`kvboost_hf.generation.warm.continuation_probes`): exactly what every later chat that starts with these
 messages renders first, whatever the template.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from ..warm import continuation_probes, probe_texts, reusable_tokens, shared_prefix, warm
-from . import schemas
-from .errors import APIError
-from .scheduler import Job
+from kvboost_hf.generation.warm import continuation_probes, probe_texts, reusable_tokens, shared_prefix, warm
+from kvboost_hf.server import schemas
+from kvboost_hf.server.errors import APIError
+from kvboost_hf.server.scheduler import Job
 
 
 async def chat_warm_prefix(service, messages: list[schemas.ChatMessage]) -> list[int]:

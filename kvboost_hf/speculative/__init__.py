@@ -5,11 +5,12 @@ Drafts (``model.generate(ids, draft=...)`` on a model with chunk reuse enabled):
 a self-draft built by :func:`make_draft` from the target's own weights.
 """
 
-from .controller import ControllerSettings, DraftController
-from .ngram import LookupSettings
-from .self_draft import make_draft
-from .stats import SpeculationStats
-from .totals import SpeculationTotals, set_default_draft, speculation_totals
+from kvboost_hf.speculative.controller import ControllerSettings, DraftController
+from kvboost_hf.speculative.extension import set_default_draft, speculation_totals
+from kvboost_hf.speculative.ngram import LookupSettings
+from kvboost_hf.speculative.self_draft import make_draft
+from kvboost_hf.speculative.stats import SpeculationStats
+from kvboost_hf.speculative.totals import SpeculationTotals
 
 __all__ = ["ControllerSettings", "DraftController", "LookupSettings", "SpeculationStats", "SpeculationTotals",
            "make_draft", "set_default_draft", "speculation_totals"]

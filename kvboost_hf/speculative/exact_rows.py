@@ -12,7 +12,7 @@ So on such a target every forward after the prompt prefill (a verification, or a
 the assisted loop) routes ``kvboost_sdpa`` to :func:`row_exact_attention`: one stock SDPA call
 per query row, over exactly the keys a decode step of that row sees (the whole past, or the last
 ``sliding_window`` on a sliding layer), with the mask the decode step passes (none, or an
-all-True one once a sliding window is full: :func:`kvboost_hf.attention.decode_step_mask`). The
+all-True one once a sliding window is full: :func:`kvboost_hf.models.attention.decode_step_mask`). The
 LM head's rows are made exact separately (:mod:`.verify_head`). Float targets keep the batched
 call: their float matmuls differ by row count anyway (~1e-6, a near-tie caveat shared with
 transformers' own assisted decoding).
@@ -28,16 +28,17 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import attention
-from ..streaming.loader import RUNTIME_ATTR
-from .verify_head import row_blocked_head
+from kvboost_hf.models import attention
+from kvboost_hf.models.attention import attention_implementation
+from kvboost_hf.speculative.verify_head import row_blocked_head
+from kvboost_hf.streaming.loader import RUNTIME_ATTR
 
 
 def needs_exact_rows(model: nn.Module) -> bool:
     """Whether verification on ``model`` routes attention per row: an AWQ int4 model on SDPA."""
     config = getattr(model, "config", None)
     return (getattr(model, RUNTIME_ATTR, None) is not None and config is not None
-            and config._attn_implementation in attention.SDPA_IMPLEMENTATIONS)
+            and attention_implementation(config) in attention.SDPA_IMPLEMENTATIONS)
 
 
 def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, *,

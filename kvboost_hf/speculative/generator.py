@@ -15,11 +15,11 @@ from typing import Protocol
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .controller import DraftController
-from .draft_limits import DraftLimits
-from .exact_rows import route_rows
-from .stats import SpeculationStats
-from .verify_head import measuring_seconds
+from kvboost_hf.speculative.controller import DraftController
+from kvboost_hf.speculative.draft_limits import DraftLimits
+from kvboost_hf.speculative.exact_rows import route_rows
+from kvboost_hf.speculative.stats import SpeculationStats
+from kvboost_hf.speculative.verify_head import measuring_seconds
 
 
 class Proposer(Protocol):

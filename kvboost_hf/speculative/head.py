@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .quantized import quantized_linear
+from kvboost_hf.speculative.quantized import quantized_linear
 
 
 class DraftHead(nn.Module):

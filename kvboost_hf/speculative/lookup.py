@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..store import ChunkStore
-from ..store.keys import Key
-from .ngram import LookupSettings, NgramIndex, Proposal
+from kvboost_hf.speculative.ngram import LookupSettings, NgramIndex, Proposal
+from kvboost_hf.store import ChunkStore
+from kvboost_hf.store.keys import Key
 
 STORE_LOOKUP = LookupSettings(max_ngram=6, min_ngram=2)  # one shared token says little across requests
 # What one indexed token costs in Python objects: an n-gram tuple key, a dict slot and a position per n-gram

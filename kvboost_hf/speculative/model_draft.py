@@ -14,11 +14,11 @@ import logging
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from ..cache import ChunkReuseCache
-from ..generate import finish_request
-from ..store.index import common_prefix_length
-from ..state import namespace, reuse_state
-from ..store.keys import UnfingerprintableModel
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.models.fingerprint import UnfingerprintableModel
+from kvboost_hf.models.namespace import namespace
+from kvboost_hf.reuse import commit_request, reuse_state
+from kvboost_hf.store.index import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ModelProposer:
         confirmed = common_prefix_length(cache.token_ids(), sequence[0].tolist())
         limit = cache.request.commit_limit
         cache.request.commit_limit = confirmed if limit is None else min(limit, confirmed)
-        finish_request(state, cache)
+        commit_request(state, cache)
         return cache
 
 

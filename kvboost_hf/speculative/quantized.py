@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..streaming.awq_format import scales_and_zeros, to_int4pack
-from ..streaming.linear import AWQInt4Linear
-from ..streaming.quantize import rtn_quantize
+from kvboost_hf.streaming.awq_format import scales_and_zeros, to_int4pack
+from kvboost_hf.streaming.linear import AWQInt4Linear
+from kvboost_hf.streaming.quantize import rtn_quantize
 
 GROUP_SIZES = (128, 64, 32)
 INT4_ROW_MULTIPLE = 16  # torch's CPU int4 packing needs out_features divisible by 16

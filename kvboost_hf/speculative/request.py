@@ -8,13 +8,12 @@
 
 ``assistant_model=`` is treated like ``draft=<model>``; HF's ``prompt_lookup_num_tokens`` alone
 keeps HF's generator and only gains telemetry. ``speculation=ControllerSettings(...)`` tunes the
-adaptive draft length. The generator reaches generate through ``_get_candidate_generator``,
-which the reuse subclass of the model's class overrides (see :mod:`kvboost_hf.model_class`).
+adaptive draft length. The generator reaches generate through the speculation session
+(:mod:`kvboost_hf.speculative.extension`), a generate extension of :mod:`kvboost_hf.generation`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -22,23 +21,24 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, CandidateGenerator
 
-from ..state import namespace, reuse_state
-from ..store.keys import UnfingerprintableModel
-from .controller import ControllerSettings, DraftController
-from .draft_limits import draft_limits
-from .generator import FixedProposer, MeasuredCandidateGenerator
-from .lookup import LazyStoreNgrams, LookupProposer, store_ngrams
-from .model_draft import ModelProposer
-from .ngram import LookupSettings
-from .seeded import PositionGumbel, request_seed
-from .stats import SpeculationStats
+from kvboost_hf.generation import enable_chunk_reuse
+from kvboost_hf.models.fingerprint import UnfingerprintableModel
+from kvboost_hf.models.namespace import namespace
+from kvboost_hf.reuse import reuse_state
+from kvboost_hf.speculative.controller import ControllerSettings, DraftController
+from kvboost_hf.speculative.draft_limits import draft_limits
+from kvboost_hf.speculative.generator import FixedProposer, MeasuredCandidateGenerator
+from kvboost_hf.speculative.lookup import LazyStoreNgrams, LookupProposer, store_ngrams
+from kvboost_hf.speculative.model_draft import ModelProposer
+from kvboost_hf.speculative.model_state import model_state
+from kvboost_hf.speculative.ngram import LookupSettings
+from kvboost_hf.speculative.seeded import PositionGumbel, request_seed
+from kvboost_hf.speculative.stats import SpeculationStats
 
 logger = logging.getLogger(__name__)
 
 LOOKUP_DRAFTS = ("prompt-lookup", "store")
 _store_followers: weakref.WeakSet = weakref.WeakSet()  # drafts whose reuse was enabled with the target's store
-_current: contextvars.ContextVar[SpeculationRequest | None] = contextvars.ContextVar("kvboost_speculation",
-                                                                                     default=None)
 
 
 @dataclass
@@ -72,9 +72,10 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             return SpeculationRequest("hf", _settings(settings), SpeculationStats(draft="hf-prompt-lookup"))
         state = reuse_state(model)
-        if state is None or state.default_draft is None or not _can_speculate(inputs, kwargs):
+        defaults = model_state(state) if state is not None else None
+        if defaults is None or defaults.default_draft is None or not _can_speculate(inputs, kwargs):
             return None
-        draft, settings = state.default_draft, settings if settings is not None else state.default_speculation
+        draft, settings = defaults.default_draft, settings if settings is not None else defaults.default_settings
     settings = _settings(settings, lookup=isinstance(draft, str))
     if draft is not None and assistant is not None:
         raise ValueError("pass either draft= or assistant_model=, not both")
@@ -150,32 +151,18 @@ def _enable_reuse_on(model: torch.nn.Module, draft: torch.nn.Module) -> None:
     draft_state = reuse_state(draft)
     if draft_state is not None and (draft_state.store is state.store or draft not in _store_followers):
         return
-    from ..reuse import enable_chunk_reuse  # noqa: PLC0415 - reuse imports the generate path
-
     enable_chunk_reuse(draft, state.store)
     _store_followers.add(draft)
 
 
-def activate(request: SpeculationRequest | None) -> contextvars.Token:
-    return _current.set(request)
-
-
-def deactivate(token: contextvars.Token) -> None:
-    _current.reset(token)
-
-
-def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, generation_config,
-                        input_ids: torch.LongTensor, logits_processor: list | None = None,
-                        tokenizer=None) -> CandidateGenerator:
-    """The generator generate() uses for the active request (``generator`` is HF's choice).
+def candidate_generator(model: torch.nn.Module, request: SpeculationRequest, generator: CandidateGenerator,
+                        generation_config, logits_processor: list | None = None, tokenizer=None) -> CandidateGenerator:
+    """The generator generate() uses for ``request`` (``generator`` is HF's choice).
 
     ``logits_processor`` is the list the assisted loop applies (HF's, warpers included) and
     ``tokenizer`` generate's ``tokenizer=``. For our drafts, a sampled request is turned into greedy
     decoding of position-seeded Gumbel-perturbed scores (:mod:`.seeded`), and proposals are cut at
     stop strings and grammar constraints (:mod:`.draft_limits`)."""
-    request = _current.get()
-    if request is None:
-        return generator
     limits = None
     if request.kind != "hf":
         limits = draft_limits(logits_processor, getattr(generation_config, "stop_strings", None), tokenizer,
@@ -196,7 +183,7 @@ def candidate_generator(model: torch.nn.Module, generator: CandidateGenerator, g
     request.proposer = proposer
     if not isinstance(proposer, FixedProposer):
         state = reuse_state(model)
-        memory = state.speculation_costs.get(request.memory_key) if state is not None else None
+        memory = model_state(state).costs.get(request.memory_key) if state is not None else None
         request.controller = DraftController(request.settings, memory)
     return MeasuredCandidateGenerator(proposer, request.controller, request.stats, generation_config.max_length,
                                       exact_rows=request.exact_rows, limits=limits)
@@ -230,19 +217,6 @@ def finish(request: SpeculationRequest, output) -> None:
     if draft_cache is not None and draft_cache.stats is not None:
         request.stats.draft_reused_tokens = draft_cache.stats.reused_tokens
         request.stats.draft_prompt_tokens = draft_cache.stats.prompt_tokens
-
-
-def record(state, request: SpeculationRequest, cache=None) -> None:
-    """Publish the request's stats: in its cache's reuse stats (else the model's latest) and the running totals."""
-    stats = getattr(cache, "stats", None) or state.last_stats
-    if stats is not None:
-        stats.speculation = request.stats
-    if request.controller is not None and request.settings.adaptive:
-        state.speculation_costs[request.memory_key] = request.controller.memory()
-    if request.proposer is not None:
-        from .totals import totals_of  # noqa: PLC0415 - totals imports the reuse API
-
-        totals_of(state).add(request.stats)
 
 
 def _store_index(model: torch.nn.Module):

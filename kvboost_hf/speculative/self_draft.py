@@ -22,14 +22,14 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ..model_class import ReuseGenerateMixin
-from ..state import STATE_ATTR
-from ..streaming.loader import RUNTIME_ATTR
-from ..streaming.linear import AWQInt4Linear
-from .draft_norm import fuse_norms
-from .head import DraftHead
-from .quantized import Int4DraftLinear, quantized_linear
-from .vocab import draft_vocabulary, token_ranking
+from kvboost_hf.generation.model_class import ReuseGenerateMixin
+from kvboost_hf.reuse import STATE_ATTR
+from kvboost_hf.speculative.draft_norm import fuse_norms
+from kvboost_hf.speculative.head import DraftHead
+from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
+from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
+from kvboost_hf.streaming.linear import AWQInt4Linear
+from kvboost_hf.streaming.loader import RUNTIME_ATTR
 
 logger = logging.getLogger(__name__)
 

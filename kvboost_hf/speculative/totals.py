@@ -1,41 +1,42 @@
-"""Speculation counters summed over a model's requests (what a server reports), and the model's default draft."""
+"""Speculation counters summed over a model's requests (what a server reports)."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-import torch
+from kvboost_hf.speculative.stats import SpeculationStats
 
-from ..reuse import _target
-from ..state import reuse_state
-from .controller import ControllerSettings
-from .stats import SpeculationStats
+
+def _total(help_text: str = "", summed: bool = True, default: float = 0):
+    """A field of the totals: ``summed`` from each request's stats of the same name; ``help_text`` makes it a
+    metric (the server's ``/metrics`` exports every field that has one: ``kvboost_spec_<name>``, ``_ms`` in s)."""
+    return field(default=default, metadata={"help": help_text, "summed": summed})
 
 
 @dataclass
 class SpeculationTotals:
     """Sums of :class:`SpeculationStats` over requests. Thread safe."""
 
-    requests: int = 0
-    switched_off: int = 0
-    rounds: int = 0
-    speculative_rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
+    requests: int = _total("Requests decoded with speculation", summed=False)
+    switched_off: int = _total("Requests where the controller switched speculation off", summed=False)
+    rounds: int = _total("Target forwards of speculative requests (plain rounds included)")
+    speculative_rounds: int = _total("Target forwards that verified draft tokens")
+    drafted_tokens: int = _total("Draft tokens verified by the target")
+    accepted_tokens: int = _total("Draft tokens the target accepted")
     accepted_histogram: list[int] = field(default_factory=list)
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    plain_ms: float = 0.0
+    draft_ms: float = _total("Time spent drafting", default=0.0)
+    verify_ms: float = _total("Target forward time of speculative rounds", default=0.0)
+    plain_ms: float = _total(default=0.0)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, stats: SpeculationStats) -> None:
         with self.lock:
             self.requests += 1
             self.switched_off += bool(stats.off_reason)
-            for name in ("rounds", "speculative_rounds", "drafted_tokens", "accepted_tokens", "draft_ms",
-                         "verify_ms", "plain_ms"):
-                setattr(self, name, getattr(self, name) + getattr(stats, name))
+            for f in fields(self):
+                if f.metadata.get("summed"):
+                    setattr(self, f.name, getattr(self, f.name) + getattr(stats, f.name))
             hist = self.accepted_histogram
             hist.extend([0] * (len(stats.accepted_histogram) - len(hist)))
             for i, n in enumerate(stats.accepted_histogram):
@@ -49,31 +50,6 @@ class SpeculationTotals:
         return out
 
 
-def set_default_draft(model: torch.nn.Module, draft, settings: ControllerSettings | None = None) -> None:
-    """Make ``draft`` (what ``generate(draft=...)`` accepts; None: none) the draft of every generate call
-    on ``model`` that names no draft, assistant or prompt lookup itself. Needs chunk reuse enabled."""
-    state = reuse_state(_target(model))
-    if state is None:
-        raise ValueError("set_default_draft needs chunk reuse: call kvboost_hf.enable_chunk_reuse(model, store) first")
-    if draft is not None:
-        from .request import validate_draft  # noqa: PLC0415
-
-        validate_draft(model, draft)
-    state.default_draft, state.default_speculation = draft, settings
-
-
-def speculation_totals(model: torch.nn.Module) -> SpeculationTotals:
-    """The model's running totals (an empty one before any speculative request or without reuse)."""
-    state = reuse_state(_target(model))
-    return SpeculationTotals() if state is None else totals_of(state)
-
-
-_create_lock = threading.Lock()
-
-
-def totals_of(state) -> SpeculationTotals:
-    """The totals held by a reuse state (created on first use)."""
-    with _create_lock:
-        if state.speculation_totals is None:
-            state.speculation_totals = SpeculationTotals()
-        return state.speculation_totals
+def metric_fields() -> list[tuple[str, str]]:
+    """``(name, help)`` of every total exported as a metric, in field order."""
+    return [(f.name, f.metadata["help"]) for f in fields(SpeculationTotals) if f.metadata.get("help")]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import cache_dir
+from kvboost_hf.models import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Cross-request K/V storage (no model code)."""
 
-from .keys import chunk_key, model_namespace
-from .store import ChunkHit, ChunkStore, StoredChunk
+from kvboost_hf.store.keys import chunk_key
+from kvboost_hf.store.store import ChunkHit, ChunkStore, StoredChunk
 
-__all__ = ["ChunkHit", "ChunkStore", "StoredChunk", "chunk_key", "model_namespace"]
+__all__ = ["ChunkHit", "ChunkStore", "StoredChunk", "chunk_key"]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .keys import Key
-from .quant import QuantizedTensor, quantize_keys, quantize_values
+from kvboost_hf.store.keys import Key
+from kvboost_hf.store.quant import QuantizedTensor, quantize_keys, quantize_values
 
 Encoded = torch.Tensor | QuantizedTensor
 

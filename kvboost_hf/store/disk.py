@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from .entry_bytes import CorruptEntry, DiskRecord, decode_entry, encode_entry, read_header, record_of
-from .eviction import DISK_HALF_LIFE_S, Candidate, choose_victims, recompute_cost
-from .keys import Key
+from kvboost_hf.store.entry_bytes import CorruptEntry, DiskRecord, decode_entry, encode_entry, read_header, record_of
+from kvboost_hf.store.eviction import DISK_HALF_LIFE_S, Candidate, choose_victims, recompute_cost
+from kvboost_hf.store.keys import Key
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from .keys import Key, chunk_key
+from kvboost_hf.store.keys import Key, chunk_key
 
 FORMAT = "kvboost-chunk-1"
 SUFFIX = ".safetensors"

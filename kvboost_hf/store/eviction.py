@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .codec import StoredChunk
+    from kvboost_hf.store.codec import StoredChunk
 
 Key = bytes
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 
-from .keys import Key, chunk_key
+from kvboost_hf.store.keys import Key, chunk_key
 
 # Content lookups anchor on this many tokens at the start of every stored chunk (and one token
 # later, so a tokenizer that merges a document's first token with the text before it costs

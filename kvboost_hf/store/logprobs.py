@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .keys import Key
+from kvboost_hf.store.keys import Key
 
 
 def stored_logprobs(store, namespace: Key, token_ids: Sequence[int]) -> list[float | None]:

@@ -78,13 +78,13 @@ def _quantize(grouped: torch.Tensor, reduce_dim: int, bits: int, out_shape, dtyp
 
 def quantize_keys(keys: torch.Tensor, bits: int) -> QuantizedTensor:
     """Per-channel quantization of ``[heads, tokens, head_dim]`` keys over the token axis."""
-    _check_bits(bits)
+    check_bits(bits)
     return _quantize(keys, reduce_dim=1, bits=bits, out_shape=keys.shape, dtype=keys.dtype)
 
 
 def quantize_values(values: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
     """Per-token quantization of ``[heads, tokens, head_dim]`` values in channel groups of ``group_size``."""
-    _check_bits(bits)
+    check_bits(bits)
     heads, tokens, head_dim = values.shape
     if head_dim % group_size:
         raise ValueError(f"group_size={group_size} does not divide head_dim={head_dim}")
@@ -97,6 +97,6 @@ def default_group_size(head_dim: int) -> int:
     return next((g for g in (128, 64, 32, 16, 8) if head_dim % g == 0), head_dim)
 
 
-def _check_bits(bits: int) -> None:
+def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"kv_bits must be None, 8 or 4, got {bits!r}")

@@ -31,13 +31,12 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
+import torch
 import xxhash
 
-import torch
-
-from .entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
-from .index import common_prefix_length
-from .keys import Key
+from kvboost_hf.store.entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
+from kvboost_hf.store.index import common_prefix_length
+from kvboost_hf.store.keys import Key
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .quant import SUPPORTED_BITS
-from .remote import redact
+from kvboost_hf.store.quant import SUPPORTED_BITS
+from kvboost_hf.store.remote import redact
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 

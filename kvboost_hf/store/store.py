@@ -10,15 +10,15 @@ from collections.abc import Callable, Container, Sequence
 
 import torch
 
-from .codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk, from_tensors, to_tensors
-from .disk import DiskTier
-from .eviction import ram_victim
-from .index import ANCHOR_TOKENS, ChainTail, ChunkIndex, IndexEntry, common_prefix_length
-from .keys import Key, chunk_key, segment_spans
-from .quant import default_group_size
-from .remote import ANCHOR_TOKENS as REMOTE_ANCHOR_TOKENS
-from .remote import RemoteTier
-from .settings import StoreSettings
+from kvboost_hf.store.codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk, from_tensors, to_tensors
+from kvboost_hf.store.disk import DiskTier
+from kvboost_hf.store.eviction import ram_victim
+from kvboost_hf.store.index import ANCHOR_TOKENS, ChainTail, ChunkIndex, IndexEntry, common_prefix_length
+from kvboost_hf.store.keys import Key, chunk_key, segment_spans
+from kvboost_hf.store.quant import default_group_size
+from kvboost_hf.store.remote import ANCHOR_TOKENS as REMOTE_ANCHOR_TOKENS
+from kvboost_hf.store.remote import RemoteTier
+from kvboost_hf.store.settings import StoreSettings
 
 logger = logging.getLogger(__name__)
 

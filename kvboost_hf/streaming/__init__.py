@@ -22,11 +22,11 @@ import os
 
 from torch import nn
 
-from . import compat
-from .config import QUANT_METHOD, RESIDENCY_MODES, StreamingAWQConfig
-from .loader import RUNTIME_ATTR
-from .quantizer import StreamingAWQQuantizer, register
-from .stats import StreamingStats
+from kvboost_hf.streaming import compat
+from kvboost_hf.streaming.config import QUANT_METHOD, RESIDENCY_MODES, StreamingAWQConfig
+from kvboost_hf.streaming.loader import RUNTIME_ATTR
+from kvboost_hf.streaming.quantizer import StreamingAWQQuantizer, register
+from kvboost_hf.streaming.stats import StreamingStats
 
 register()
 compat.install()

@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers.quantizers.auto import AutoHfQuantizer
 
-from .config import StreamingAWQConfig
+from kvboost_hf.streaming.config import StreamingAWQConfig
 
 logger = logging.getLogger(__name__)
 

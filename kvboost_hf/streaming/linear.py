@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .awq_format import int4_matmul
+from kvboost_hf.streaming.awq_format import int4_matmul
 
 
 class AWQInt4Linear(nn.Module):

@@ -18,12 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .awq_format import awq_to_codes, scales_and_zeros, to_int4pack, unpack_awq
-from .config import StreamingAWQConfig
-from .linear import AWQInt4Linear
-from .source import HostSource, MmapSource, RamSource, cache_key
-from .stats import StreamingStats
-from .streamer import LayerStreamer
+from kvboost_hf.streaming.awq_format import awq_to_codes, scales_and_zeros, to_int4pack, unpack_awq
+from kvboost_hf.streaming.config import StreamingAWQConfig
+from kvboost_hf.streaming.linear import AWQInt4Linear
+from kvboost_hf.streaming.source import HostSource, MmapSource, RamSource, cache_key
+from kvboost_hf.streaming.stats import StreamingStats
+from kvboost_hf.streaming.streamer import LayerStreamer
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     source: HostSource | None = None
     mmap_ready = False
     if streamed_names and config.host == "mmap":
-        from ..models import cache_dir
+        from kvboost_hf.models import cache_dir
 
         root = Path(config.mmap_dir) if config.mmap_dir else cache_dir() / "awq-int4pack"
         key = cache_key(checkpoint_files, {"group_size": config.group_size, "zero_point": config.zero_point,

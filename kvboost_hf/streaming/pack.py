@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..cli_checks import FlagError, first_line, model_path_flag
-from .awq_format import pack_awq
-from .loader import decoder_layers
-from .quantize import rtn_quantize, search_scales
+from kvboost_hf.cli_checks import FlagError, first_line, model_path_flag
+from kvboost_hf.streaming.awq_format import pack_awq
+from kvboost_hf.streaming.loader import decoder_layers
+from kvboost_hf.streaming.quantize import rtn_quantize, search_scales
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def awq_pack_command(args: argparse.Namespace) -> str:
     widths, or calibration text without a tokenizer or that cannot be read."""
     from transformers import AutoModelForCausalLM
 
-    from ..models import default_model_path
+    from kvboost_hf.models import default_model_path
 
     try:
         source = str(default_model_path()) if args.model == "default" else args.model

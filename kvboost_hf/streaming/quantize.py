@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .awq_format import dequantize
+from kvboost_hf.streaming.awq_format import dequantize
 
 
 def rtn_quantize(weight: torch.Tensor, group_size: int, zero_point: bool = True, scale_dtype=torch.float16):

@@ -14,8 +14,8 @@ import torch
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
 from transformers.quantizers.base import HfQuantizer
 
-from .config import QUANT_METHOD, StreamingAWQConfig
-from .loader import build_runtime, checkpoint_index, replace_linears
+from kvboost_hf.streaming.config import QUANT_METHOD, StreamingAWQConfig
+from kvboost_hf.streaming.loader import build_runtime, checkpoint_index, replace_linears
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .linear import AWQInt4Linear
-from .source import HostSource
-from .stats import StreamingStats
+from kvboost_hf.streaming.linear import AWQInt4Linear
+from kvboost_hf.streaming.source import HostSource
+from kvboost_hf.streaming.stats import StreamingStats
 
 logger = logging.getLogger(__name__)
 

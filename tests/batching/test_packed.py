@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvboost_hf import attention
 from kvboost_hf.batching import BatchLimits, BatchRunner, PackedRowsCache, RowSampling, Sequence
 from kvboost_hf.batching.packed import chunk_mask, segments_of
+from kvboost_hf.models import attention
 from tests.batching.helpers import generate_alone, run_batch
 from tests.conftest import SLIDING_WINDOW, make_tiny, random_ids
 

@@ -11,16 +11,10 @@ from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
 
 from kvboost_hf import ChunkStore, warm
 from kvboost_hf.cli import main
+from kvboost_hf.models.shape import stored_bytes_per_token
 from kvboost_hf.planner import ModelShape, capacity, kv_bytes_per_sequence, kv_bytes_per_token, weight_bytes
-from kvboost_hf.planner.capacity import (
-    ENTRY_OVERHEAD_BYTES,
-    TOKEN_BYTES as CAPACITY_TOKEN_BYTES,
-    checkpoint_weight_bytes,
-    estimated_parameters,
-    stored_bytes_per_token,
-)
+from kvboost_hf.planner.capacity import checkpoint_weight_bytes, estimated_parameters
 from kvboost_hf.planner.probe import parse_bytes
-from kvboost_hf.store import codec
 from tests.conftest import make_tiny, random_ids
 
 BASE = ModelShape(num_layers=8, num_kv_heads=4, head_dim=64, hidden_size=512, intermediate_size=1024,
@@ -85,8 +79,6 @@ def test_weight_estimate_and_stored_bytes_match_the_real_model_and_store(family,
         warm(model, ids, store)
         entry = store.entries()[0]
         assert entry.nbytes / entry.num_tokens == pytest.approx(stored_bytes_per_token(shape, bits, 16), rel=1e-6)
-    assert ENTRY_OVERHEAD_BYTES == codec.ENTRY_OVERHEAD_BYTES
-    assert CAPACITY_TOKEN_BYTES == codec.TOKEN_BYTES
 
 
 def test_plan_command_json(tmp_path, capsys):

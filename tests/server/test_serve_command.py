@@ -15,8 +15,8 @@ from kvboost_hf.server.command import (
     add_serve_arguments,
     available_cores,
     build_store,
-    warm_texts,
     scheduler_of,
+    warm_texts,
     worker_settings,
 )
 from tests.conftest import make_tiny, start_redis

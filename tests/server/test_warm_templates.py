@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
-from kvboost_hf.warm import PROBE_TEXTS, chat_prefix, probe_texts, reusable_tokens, warm
+from kvboost_hf.generation.warm import PROBE_TEXTS, chat_prefix, probe_texts, reusable_tokens, warm
 from tests.server.conftest import serve, tiny_tokenizer
 
 CHATML = (

@@ -13,9 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvboost_hf import ChunkStore, ControllerSettings, attention, enable_chunk_reuse, last_request_stats, make_draft
+from kvboost_hf import ChunkStore, ControllerSettings, enable_chunk_reuse, last_request_stats, make_draft
+from kvboost_hf.models import attention
+from kvboost_hf.models.fingerprint import model_namespace, model_state_token
 from kvboost_hf.speculative.exact_rows import route_rows, verifying
-from kvboost_hf.store.keys import model_namespace, model_state_token
 from kvboost_hf.streaming import StreamingAWQConfig
 from kvboost_hf.streaming.pack import pack_model
 from tests.conftest import SLIDING_WINDOW, make_tiny, random_ids

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvboost_hf import make_draft
-from kvboost_hf.speculative.draft_norm import DraftRMSNorm, fused_equivalent, fuse_norms
+from kvboost_hf.speculative.draft_norm import DraftRMSNorm, fuse_norms, fused_equivalent
 from tests.conftest import FAMILIES, make_tiny
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvboost_hf import ControllerSettings, attention, last_request_stats, make_draft
+from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf.models import attention
 from kvboost_hf.speculative import exact_rows
 from kvboost_hf.speculative.exact_rows import needs_exact_rows, route_rows, verifying
 from kvboost_hf.streaming import StreamingAWQConfig

@@ -9,11 +9,11 @@ import torch
 from transformers.generation.utils import GenerationMixin
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf.models.namespace import namespace
 from kvboost_hf.speculative import set_default_draft, speculation_totals
 from kvboost_hf.speculative.controller import DraftController
 from kvboost_hf.speculative.generator import MeasuredCandidateGenerator
 from kvboost_hf.speculative.stats import SpeculationStats
-from kvboost_hf.state import namespace
 from tests.conftest import make_tiny, random_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvboost_hf import ControllerSettings, last_request_stats
+from kvboost_hf.models.namespace import namespace
 from kvboost_hf.speculative.lookup import LookupProposer, store_ngrams
 from kvboost_hf.speculative.ngram import LookupSettings, NgramIndex
-from kvboost_hf.state import namespace
 from tests.conftest import make_tiny, random_ids
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers import GenerationConfig
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf.models.namespace import namespace
 from kvboost_hf.speculative.model_draft import ModelProposer
-from kvboost_hf.state import namespace
 from tests.conftest import make_tiny, random_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")

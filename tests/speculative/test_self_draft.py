@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf.models.namespace import namespace
 from kvboost_hf.speculative.draft_norm import DraftRMSNorm
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int8Linear, quantized_linear
 from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
-from kvboost_hf.state import namespace
 from kvboost_hf.streaming import StreamingAWQConfig, streaming_stats
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from kvboost_hf.streaming.pack import pack_model

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kvboost_hf.speculative import verify_head
-from kvboost_hf.speculative.verify_head import blocked_linear, block_rows, row_blocked_head
+from kvboost_hf.speculative.verify_head import block_rows, blocked_linear, row_blocked_head
 
 
 class _Holder(nn.Module):

@@ -1,13 +1,7 @@
 import torch
 
-from kvboost_hf.store.keys import (
-    active_adapters,
-    chunk_key,
-    chunk_spans,
-    model_namespace,
-    model_state_token,
-    namespace_key,
-)
+from kvboost_hf.models.fingerprint import active_adapters, model_namespace, model_state_token
+from kvboost_hf.store.keys import chunk_key, chunk_spans, namespace_key
 from tests.conftest import make_tiny
 
 

@@ -250,7 +250,7 @@ def test_a_forged_successor_entry_never_changes_output(redis_url, prefix):
     """The successor index is a hint: the matched length comes from the verified blob's own tokens."""
     import json
 
-    from kvboost_hf.state import namespace
+    from kvboost_hf.models.namespace import namespace
 
     model = make_tiny("llama")
     a, b1, b2, tail = random_ids(16, 1), random_ids(16, 2), random_ids(16, 3), random_ids(4, 9)
@@ -280,7 +280,7 @@ def test_malformed_index_entries_and_crafted_headers_are_dropped(redis_url, pref
     import os
     import struct
 
-    from kvboost_hf.state import namespace
+    from kvboost_hf.models.namespace import namespace
 
     model = make_tiny("llama")
     store = ChunkStore(chunk_size=16, remote=redis_url, remote_prefix=prefix)

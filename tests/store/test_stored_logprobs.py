@@ -66,7 +66,7 @@ def test_attach_and_serve_along_the_prefix_chain(tiny_prompt_store):
 def tiny_prompt_store():
     """A store holding the chunks (16 + 16 + 8 tokens) of a 40-token prompt of a tiny Llama."""
     from kvboost_hf import disable_chunk_reuse, enable_chunk_reuse
-    from kvboost_hf.state import namespace
+    from kvboost_hf.models.namespace import namespace
     from tests.conftest import make_tiny
 
     model = make_tiny("llama", seed=1)
@@ -80,7 +80,7 @@ def tiny_prompt_store():
 
 def test_attached_logprobs_reach_the_disk_tier(tmp_path):
     from kvboost_hf import disable_chunk_reuse, enable_chunk_reuse
-    from kvboost_hf.state import namespace
+    from kvboost_hf.models.namespace import namespace
     from tests.conftest import make_tiny
 
     model = make_tiny("llama", seed=1)
@@ -105,7 +105,7 @@ def test_attached_logprobs_reach_another_replica_through_redis(redis_url):
     import uuid
 
     from kvboost_hf import disable_chunk_reuse, enable_chunk_reuse
-    from kvboost_hf.state import namespace
+    from kvboost_hf.models.namespace import namespace
     from tests.conftest import make_tiny
 
     prefix = f"lp-{uuid.uuid4().hex[:8]}"

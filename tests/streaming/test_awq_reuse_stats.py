@@ -6,7 +6,7 @@ import torch
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
 from kvboost_hf.cli import main
-from kvboost_hf.store.keys import model_namespace
+from kvboost_hf.models.fingerprint import model_namespace
 from kvboost_hf.streaming import reset_streaming_stats, streaming_stats
 from kvboost_hf.streaming.pack import pack_model
 from tests.conftest import make_tiny, make_tiny_tokenizer

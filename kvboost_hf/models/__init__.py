@@ -1,0 +1,23 @@
+"""What kvboost_hf knows of a transformers model: the unwrapped target, its shape and K/V byte costs,
+its weight fingerprint and namespace, the attention implementation switch, RoPE, and loading.
+
+Imports only :mod:`kvboost_hf.store` (for key types and entry sizes) below it.
+"""
+
+from kvboost_hf.models.loading import (
+    DEFAULT_MODEL_NAME,
+    GEMMA_CHAT_TEMPLATE,
+    cache_dir,
+    default_model_path,
+    load_default_model,
+    load_model,
+)
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "GEMMA_CHAT_TEMPLATE",
+    "cache_dir",
+    "default_model_path",
+    "load_default_model",
+    "load_model",
+]

@@ -1,0 +1,145 @@
+"""SDPA with position-aware masks, for forwards whose queries are scattered positions.
+
+CacheBlend-style repair runs a forward over a *subset* of prompt positions against a cache
+that holds every position in order. transformers builds masks from index ranges, so it is told
+the real query positions here: ``kvboost_sdpa`` is the stock SDPA kernel registered under its
+own name (``AttentionInterface``) together with a mask function (``AttentionMaskInterface``;
+registering only the attention function leaves the mask ``None`` and SDPA silently truncates
+keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``; outside a routed
+forward (a packed batch, a row-exact verification) the attention function is exactly SDPA.
+
+Scattered queries and routes are per thread. The model's config, which every thread shares,
+is switched to ``kvboost_sdpa`` once, by :func:`use_kvboost_sdpa`, and never back per request:
+a request that restored ``"sdpa"`` while another thread was mid-forward made that forward run
+unrouted (not row-exact).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "kvboost_sdpa"
+SDPA_IMPLEMENTATIONS = ("sdpa", ATTENTION_NAME)  # stock SDPA, and ours (the same kernel)
+
+logger = logging.getLogger(__name__)
+_switch_lock = threading.Lock()
+
+
+@dataclass
+class ScatteredQueries:
+    """Positions of the queries of the current forward, and the (positional) key length."""
+
+    positions: torch.Tensor
+    kv_length: int
+
+
+_local = threading.local()
+
+
+def set_scattered_queries(queries: ScatteredQueries | None) -> None:
+    """Declare (or clear) the scattered query positions of this thread's next forward."""
+    _local.queries = queries
+
+
+def scattered_queries() -> ScatteredQueries | None:
+    return getattr(_local, "queries", None)
+
+
+def set_attention_route(function) -> None:
+    """Route (or, with None, stop routing) this thread's ``kvboost_sdpa`` calls to ``function``: a packed
+    batch forward (:mod:`kvboost_hf.batching.packed`) or a row-exact verification forward
+    (:mod:`kvboost_hf.speculative.exact_rows`)."""
+    _local.route = function
+
+
+def attention_route():
+    return getattr(_local, "route", None)
+
+
+def kvboost_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """Stock SDPA, except inside a routed forward on this thread."""
+    route = attention_route()
+    if route is not None:
+        return route(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def layer_window(module, sliding_window: int | None) -> int | None:
+    """The sliding window an attention layer applies (None for a full-attention layer)."""
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    return window if getattr(module, "is_sliding", window is not None) else None
+
+
+def decode_step_mask(window: int | None, keys: int, device: torch.device) -> torch.Tensor | None:
+    """The mask transformers passes to SDPA for a one-token decode step over ``keys`` keys: none,
+    unless a sliding layer's keys fill its window (``_ignore_causal_mask_sdpa`` does not skip
+    ``kv_length >= local_attention_size``); then an all-True boolean mask. SDPA with a mask rounds
+    differently from SDPA without one (~1e-5 in an attention output), so a forward that must match
+    decode steps bit for bit (row-exact verification, a packed decoding row) makes the same call."""
+    if window is None or keys < window:
+        return None
+    return torch.ones(1, 1, 1, keys, dtype=torch.bool, device=device)
+
+
+def position_aware_sdpa_mask(**kwargs):
+    """``sdpa_mask``, with query indices mapped to their real positions during a scattered forward."""
+    queries = scattered_queries()
+    if queries is not None and kwargs["q_length"] == queries.positions.numel() and kwargs["kv_length"] == queries.kv_length:
+        positions = queries.positions.to(kwargs.get("device") or queries.positions.device)
+        inner = kwargs["mask_function"]
+
+        def remapped(batch_idx, head_idx, q_idx, kv_idx):
+            return inner(batch_idx, head_idx, positions[q_idx], kv_idx)
+
+        kwargs.update(mask_function=remapped, q_offset=0, kv_offset=0, allow_is_causal_skip=False, use_vmap=False)
+    return sdpa_mask(**kwargs)
+
+
+def register() -> str:
+    """Register ``kvboost_sdpa`` (idempotent); returns its name for ``set_attn_implementation``."""
+    AttentionInterface.register(ATTENTION_NAME, kvboost_sdpa_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, position_aware_sdpa_mask)
+    return ATTENTION_NAME
+
+
+def use_kvboost_sdpa(model: nn.Module) -> bool:
+    """Name ``kvboost_sdpa`` as ``model``'s attention if it is stock SDPA; returns whether it is
+    ``kvboost_sdpa`` now (False for eager, flash and other implementations, which are left alone).
+
+    Idempotent and thread-safe, and meant to stay: outside a routed or scattered forward on the
+    calling thread ``kvboost_sdpa`` computes exactly what SDPA computes, so forwards on other
+    threads are unaffected and nothing switches back per request. The store namespace does not
+    change (:mod:`kvboost_hf.store.keys` files ``kvboost_sdpa`` as ``sdpa``)."""
+    config = model.config
+    if config._attn_implementation == ATTENTION_NAME:
+        return True
+    with _switch_lock:
+        if config._attn_implementation == "sdpa":
+            register()
+            config._attn_implementation = ATTENTION_NAME  # the setter recurses into sub-configs
+            logger.info("%s now runs attention %r (stock SDPA outside routed forwards)",
+                        type(model).__name__, ATTENTION_NAME)
+        return config._attn_implementation == ATTENTION_NAME
+
+
+def attention_implementation(config) -> str | None:
+    """The attention implementation a transformers config names (``"sdpa"``, ``"eager"``, ours...)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def switch(model: nn.Module, name: str) -> str | None:
+    """Make ``model`` run attention ``name`` (registering ``kvboost_sdpa`` first if that is it); returns
+    the implementation it ran before. The one place besides :func:`use_kvboost_sdpa` that sets it."""
+    previous = attention_implementation(model.config)
+    if name == ATTENTION_NAME:
+        register()
+    model.set_attn_implementation(name)
+    return previous
