@@ -59,7 +59,7 @@ def write_json(name: str, payload: dict) -> Path:
 
 def serve_in_thread(app, startup_timeout: float = 120.0):
     """Serve ``app`` with uvicorn on a free loopback port in a daemon thread: ``(server, thread, base_url)``."""
-    from kvboost_hf.server.background import serve_in_background
+    from kvboost_hf.server.routes.background import serve_in_background
 
     running = serve_in_background(app, startup_timeout=startup_timeout)
     return running.server, running.thread, f"{running.url}/v1"

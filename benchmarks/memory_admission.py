@@ -55,8 +55,8 @@ def main() -> None:
     from kvboost_hf.planner import ModelShape
     from kvboost_hf.planner.memory import MemoryPlanner
     from kvboost_hf.server import ServerSettings, create_app
-    from kvboost_hf.server.admission import MemoryAdmission
-    from kvboost_hf.server.background import serve_in_background
+    from kvboost_hf.server.routes.background import serve_in_background
+    from kvboost_hf.server.scheduling.admission import MemoryAdmission
 
     model, tokenizer = load_default_model()
     texts = essays()

@@ -31,8 +31,8 @@ from _common import environment, essays, write_json  # noqa: E402
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse  # noqa: E402
 from kvboost_hf.models import load_default_model  # noqa: E402
-from kvboost_hf.server.logprobs import prompt_logprobs  # noqa: E402
-from kvboost_hf.server.structured import GrammarCompilers  # noqa: E402
+from kvboost_hf.server.decoding.logprobs import prompt_logprobs  # noqa: E402
+from kvboost_hf.server.decoding.structured import GrammarCompilers  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                            "year": {"type": "integer", "minimum": 1000, "maximum": 2100},

@@ -184,7 +184,7 @@ def main() -> None:
     from kvboost_hf import ChunkStore
     from kvboost_hf.models import load_default_model
     from kvboost_hf.server import ServerSettings, create_app
-    from kvboost_hf.server.background import serve_in_background
+    from kvboost_hf.server.routes.background import serve_in_background
 
     model, tokenizer = load_default_model()
     store = ChunkStore(max_bytes=400_000_000, chunk_size=32)

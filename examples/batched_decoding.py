@@ -14,7 +14,7 @@ from __future__ import annotations
 from kvboost_hf import ChunkStore, enable_chunk_reuse
 from kvboost_hf.batching import BatchLimits, BatchRunner, RowSampling, Sequence, group_chunks, plan_step
 from kvboost_hf.models import load_model
-from kvboost_hf.server.generation import stop_token_ids
+from kvboost_hf.server.engine.generation import stop_token_ids
 
 SYSTEM = ("You are a concise assistant for a bicycle shop. Opening hours: Monday to Saturday, 9 to 18. "
           "Repairs take two working days. A basic service costs 49 euros. ")

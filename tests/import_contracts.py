@@ -1,7 +1,7 @@
 """import-linter contract types of our own (registered in pyproject.toml, run by ``make test``).
 
-- ``private_names``: a module never imports a ``_private`` name from another subpackage of the
-  root package (inside its own subpackage it may).
+- ``private_names``: a module never imports a ``_private`` name (or module) from another package
+  (its own package's modules may share them).
 - ``acyclic``: no import cycle between modules of the root package, at any depth.
 """
 
@@ -29,9 +29,14 @@ def _imports_by_line(module: str) -> dict[int, list[str]]:
     return out
 
 
-def _subpackage(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
+def _package(module: str) -> str:
+    """The package a module belongs to (itself for a package's ``__init__``: we cannot tell them apart here,
+    so a package and its direct modules count as one)."""
+    return module.rpartition(".")[0]
+
+
+def _same_package(a: str, b: str) -> bool:
+    return _package(a) == _package(b) or _package(a) == b or a == _package(b)
 
 
 def _private(name: str) -> bool:
@@ -39,7 +44,7 @@ def _private(name: str) -> bool:
 
 
 class PrivateNamesContract(Contract):
-    """No ``_private`` name (module or attribute) is imported across subpackages of ``root``."""
+    """No ``_private`` name (module or attribute) is imported from another package under ``root``."""
 
     root = fields.StringField()
 
@@ -49,7 +54,7 @@ class PrivateNamesContract(Contract):
             if not importer.startswith(self.root):
                 continue
             for imported in sorted(graph.find_modules_directly_imported_by(importer)):
-                if not imported.startswith(self.root) or _subpackage(importer) == _subpackage(imported):
+                if not imported.startswith(self.root) or _same_package(importer, imported):
                     continue
                 if any(_private(part) for part in imported.split(".")):
                     broken.append(f"{importer} imports the private module {imported}")

@@ -115,8 +115,8 @@ def doc_server(gemma) -> Iterator[str]:
     """``kvboost-hf serve``'s defaults (embedded model, store, batch scheduler) on a free port; yields its URL."""
     from kvboost_hf import disable_chunk_reuse
     from kvboost_hf.server import ServerSettings, create_app
-    from kvboost_hf.server.background import serve_in_background
     from kvboost_hf.server.command import add_serve_arguments, build_store, scheduler_of
+    from kvboost_hf.server.routes.background import serve_in_background
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

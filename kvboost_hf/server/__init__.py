@@ -18,7 +18,7 @@ __all__ = ["RECOMPUTE_STRATEGIES", "ServerSettings", "create_app"]
 def __getattr__(name: str) -> Any:
     # Imported on first use, so `kvboost-hf --help` and the CLI's other commands work without the extra.
     if name == "create_app":
-        from kvboost_hf.server.app import create_app
+        from kvboost_hf.server.routes.app import create_app
 
         return create_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

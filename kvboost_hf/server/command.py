@@ -162,7 +162,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         for name in args.warm_file:
             readable_file_flag("--warm-file", name)
         if draft is not None:
-            from kvboost_hf.server.speculation import DRAFT_CHOICES
+            from kvboost_hf.server.engine.speculation import DRAFT_CHOICES
 
             if draft not in DRAFT_CHOICES:  # an assistant model's directory or id
                 model_path_flag("--draft", draft)
@@ -334,7 +334,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from kvboost_hf.server.app import context_length, create_app
+        from kvboost_hf.server.routes.app import context_length, create_app
         from kvboost_hf.server.settings import ServerSettings
     except ImportError as err:
         raise ServeError(f"the server needs its extra: pip install 'kvboost_hf[server]' ({err})") from err
@@ -377,7 +377,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(model, tokenizer, store, settings)
         if args.draft:
-            from kvboost_hf.server.speculation import attach_speculation, build_draft
+            from kvboost_hf.server.engine.speculation import attach_speculation, build_draft
 
             attach_speculation(app, model, build_draft(args.draft, model, tokenizer, args.draft_vocab,
                                                        args.draft_layers))

@@ -13,7 +13,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse
 from kvboost_hf.server import ServerSettings, create_app
-from kvboost_hf.server.background import free_port, serve_in_background
+from kvboost_hf.server.routes.background import free_port, serve_in_background
 from tests.conftest import make_tiny, make_tiny_tokenizer
 
 # Roles are vocabulary words, so the word-level tokenizer keeps every template token.

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvboost_hf.server import ServerSettings
-from kvboost_hf.server.generation import SamplingParams, generate_reply, stop_token_ids
+from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
 
@@ -261,8 +261,8 @@ def test_bad_batch_settings_name_the_setting(kwargs, name):
 def test_jobs_without_a_row_request_run_whole_between_steps():
     """What the batch rows do not implement runs as a plain job on the scheduler thread (e.g. warm)."""
     from kvboost_hf.batching import BatchLimits
-    from kvboost_hf.server.batch_queue import BatchingQueue
-    from kvboost_hf.server.scheduler import Job
+    from kvboost_hf.server.scheduling.batch import BatchingQueue
+    from kvboost_hf.server.scheduling.workers import Job
 
     model, tokenizer = make_tiny("llama", seed=28), tiny_tokenizer()
     queue = BatchingQueue(model, tokenizer, None, [2], BatchLimits(2, 8), max_queue=4)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from kvboost_hf import ChunkStore
-from kvboost_hf.server.bos import BOS_WARNING_HEADER, bos_needed
+from kvboost_hf.server.decoding.bos import BOS_WARNING_HEADER, bos_needed
 from tests.conftest import make_tiny
 from tests.server.conftest import serve, tiny_tokenizer
 
@@ -35,7 +35,7 @@ def test_needs_bos_is_read_from_the_tokenizer(gemma):
 
 
 def test_token_prompt_without_bos_keeps_its_ids_and_gets_the_header(gemma, gemma_bos_server, caplog):
-    caplog.set_level(logging.WARNING, logger="kvboost_hf.server.bos")
+    caplog.set_level(logging.WARNING, logger="kvboost_hf.server.decoding.bos")
     tokenizer = gemma[1]
     ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     reply = complete(gemma_bos_server, ids, echo=True, logprobs=0)
@@ -47,7 +47,7 @@ def test_token_prompt_without_bos_keeps_its_ids_and_gets_the_header(gemma, gemma
     streamed = httpx.post(f"{gemma_bos_server.base_url}/v1/completions", timeout=120,
                           json={"model": "gemma", "prompt": ids, "max_tokens": 1, "stream": True})
     assert streamed.status_code == 200 and BOS_WARNING_HEADER in streamed.headers
-    records = [r for r in caplog.records if r.name == "kvboost_hf.server.bos"]
+    records = [r for r in caplog.records if r.name == "kvboost_hf.server.decoding.bos"]
     assert len(records) == 1 and "does not start with <bos>" in records[0].getMessage()
 
 

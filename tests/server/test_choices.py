@@ -7,7 +7,7 @@ import json
 import httpx
 import torch
 
-from kvboost_hf.server.processors import OpenAIPenalties
+from kvboost_hf.server.decoding.processors import OpenAIPenalties
 from tests.server.conftest import MODEL_NAME, words
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvboost_hf import ControllerSettings
-from kvboost_hf.server.generation import SamplingParams, generate_reply
-from kvboost_hf.server.schemas import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
-from kvboost_hf.server.speculation import attach_speculation, build_draft
+from kvboost_hf.server.api.requests import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
+from kvboost_hf.server.engine.generation import SamplingParams, generate_reply
+from kvboost_hf.server.engine.speculation import attach_speculation, build_draft
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer, words
 

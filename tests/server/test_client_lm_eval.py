@@ -31,7 +31,7 @@ pytest.importorskip("lm_eval", reason="the [clients] extra: pip install -e '.[cl
 
 from kvboost_hf import disable_chunk_reuse  # noqa: E402
 from kvboost_hf.models import default_model_path  # noqa: E402
-from kvboost_hf.server.bos import BOS_WARNING_HEADER  # noqa: E402
+from kvboost_hf.server.decoding.bos import BOS_WARNING_HEADER  # noqa: E402
 from kvboost_hf.store import ChunkStore  # noqa: E402
 from tests.server.conftest import MODEL_NAME, serve  # noqa: E402
 
@@ -184,11 +184,11 @@ def gemma_truth(gemma):
 
 
 def bos_warnings(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "kvboost_hf.server.bos" and "does not start with" in r.getMessage()]
+    return [r for r in caplog.records if r.name == "kvboost_hf.server.decoding.bos" and "does not start with" in r.getMessage()]
 
 
 def test_documented_lm_eval_command_gives_gemma_its_real_scores(gemma, gemma_truth, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="kvboost_hf.server.bos")
+    caplog.set_level(logging.WARNING, logger="kvboost_hf.server.decoding.bos")
     write_task(tmp_path, GEMMA_MC)
     write_gen_task(tmp_path, GEMMA_GEN)
     scores, answers = gemma_truth
@@ -208,7 +208,7 @@ def test_documented_lm_eval_command_gives_gemma_its_real_scores(gemma, gemma_tru
 
 
 def test_remote_tokenizer_command_misses_bos_and_the_server_says_so(gemma, gemma_truth, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="kvboost_hf.server.bos")
+    caplog.set_level(logging.WARNING, logger="kvboost_hf.server.decoding.bos")
     write_task(tmp_path, GEMMA_MC)
     scores, _ = gemma_truth
     with serve(gemma[0], gemma[1], ChunkStore(max_bytes=200_000_000, chunk_size=16), model_name="gemma") as server:

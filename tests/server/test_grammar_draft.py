@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvboost_hf import ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, make_draft
-from kvboost_hf.server.structured import GrammarCompilers
+from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB, make_tiny
 from tests.server.test_grammar_mask import SCHEMA, char_tokenizer, decode
 

@@ -17,8 +17,8 @@ import pytest
 import xgrammar as xgr
 
 from kvboost_hf import ChunkStore
-from kvboost_hf.server.errors import APIError
-from kvboost_hf.server.structured import GrammarCompilers
+from kvboost_hf.server.api.errors import APIError
+from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB, make_tiny
 from tests.server.conftest import MODEL_NAME, serve
 from tests.server.test_grammar_mask import SCHEMA, char_tokenizer

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse
-from kvboost_hf.server.processors import LogitBias
-from kvboost_hf.server.structured import GrammarCompilers, response_format_schema
+from kvboost_hf.server.decoding.processors import LogitBias
+from kvboost_hf.server.decoding.structured import GrammarCompilers, response_format_schema
 from tests.conftest import VOCAB, make_tiny
 
 SCHEMA = {

@@ -153,7 +153,7 @@ def test_echo_logprobs_of_stored_tokens_come_from_the_store(tiny_server):
 def test_prompt_scoring_in_slices_and_on_stored_prefixes_is_exact(family, slice_tokens):
     """Slices smaller than gemma3's sliding window (16) and than a chunk; stored prefix + slices."""
     from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse
-    from kvboost_hf.server.logprobs import prompt_logprobs
+    from kvboost_hf.server.decoding.logprobs import prompt_logprobs
     from tests.conftest import make_tiny
 
     model = make_tiny(family, seed=9)
@@ -192,7 +192,7 @@ def test_prompt_scoring_holds_one_slice_of_logits_and_a_few_rows_of_log_softmax(
     and the log-softmax never covers more than LOGSOFTMAX_ROWS rows at once."""
     import weakref
 
-    from kvboost_hf.server import logprobs as module
+    from kvboost_hf.server.decoding import logprobs as module
     from tests.conftest import make_tiny
 
     model = make_tiny("llama", seed=10)

@@ -11,7 +11,7 @@ import torch
 from kvboost_hf import KIVICache
 from kvboost_hf.planner import ModelShape
 from kvboost_hf.planner.memory import MemoryPlanner
-from kvboost_hf.server.admission import MemoryAdmission
+from kvboost_hf.server.scheduling.admission import MemoryAdmission
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
 

@@ -12,8 +12,8 @@ import pytest
 
 from kvboost_hf.planner import ModelShape
 from kvboost_hf.planner.memory import SCORE_SLICES, MemoryPlanner
-from kvboost_hf.server.admission import Ask, MemoryAdmission
-from kvboost_hf.server.errors import APIError
+from kvboost_hf.server.api.errors import APIError
+from kvboost_hf.server.scheduling.admission import Ask, MemoryAdmission
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
 
@@ -299,7 +299,7 @@ def test_overlapping_runs_are_calibrated_as_one_period_and_a_lone_run_on_its_own
 def test_a_job_gives_back_what_it_holds_once_however_it_ends():
     import asyncio
 
-    from kvboost_hf.server.scheduler import Job
+    from kvboost_hf.server.scheduling.workers import Job
 
     loop = asyncio.new_event_loop()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_hf.server.processors import LogitBias, OpenAIPenalties, sampling_processors
+from kvboost_hf.server.decoding.processors import LogitBias, OpenAIPenalties, sampling_processors
 
 
 def test_penalties_follow_openais_formula_by_hand():

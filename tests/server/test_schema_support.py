@@ -13,7 +13,7 @@ import xgrammar as xgr
 from pydantic import BaseModel, Field
 from typing_extensions import Annotated, Literal
 
-from kvboost_hf.server.schema_support import unsupported_construct
+from kvboost_hf.server.decoding.schema_support import unsupported_construct
 
 OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
 # (schema, a value the schema rejects): xgrammar's grammar accepts each value all the same

@@ -10,7 +10,7 @@ import pytest
 from kvboost_hf import ControllerSettings
 from kvboost_hf.cli import main
 from kvboost_hf.server.command import add_serve_arguments
-from kvboost_hf.server.speculation import attach_speculation, build_draft
+from kvboost_hf.server.engine.speculation import attach_speculation, build_draft
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, save_tiny_model, serve, server_process, tiny_tokenizer
 

@@ -9,7 +9,7 @@ import time
 import httpx
 
 from kvboost_hf.batching.scheduler import common_prefix, waits_for_prefill
-from kvboost_hf.server.generation import SamplingParams, generate_reply, stop_token_ids
+from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
 from kvboost_hf.store import ChunkStore
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer

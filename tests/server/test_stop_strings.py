@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvboost_hf.server.generation import ReplyText, SamplingParams, generate_reply
-from kvboost_hf.server.schemas import MAX_STOP_CHARS, CompletionRequest
-from kvboost_hf.server.stop_strings import StopStrings, common_prefix_length
+from kvboost_hf.server.api.requests import MAX_STOP_CHARS, CompletionRequest
+from kvboost_hf.server.decoding.stop_strings import StopStrings, common_prefix_length
+from kvboost_hf.server.engine.generation import ReplyText, SamplingParams, generate_reply
 from tests.server.conftest import tiny_tokenizer
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kvboost_hf.server.structured import GrammarCompilers
+from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB
 from tests.server.test_grammar_mask import char_tokenizer
 
@@ -89,7 +89,7 @@ def test_whitespace_is_fixed(grammar):
 
 
 def test_bound_schema_adds_only_missing_bounds():
-    from kvboost_hf.server.json_bounds import bound_schema
+    from kvboost_hf.server.decoding.json_bounds import bound_schema
 
     schema = {"type": "object", "$defs": {"N": {"type": ["integer", "null"]}},
               "properties": {"a": {"$ref": "#/$defs/N"},
@@ -114,8 +114,8 @@ def test_bound_schema_adds_only_missing_bounds():
 def test_multiple_of_keeps_its_enforcement():
     """xgrammar drops ``multipleOf`` once a range is given: no bound is added to it, and a schema giving both is
     refused (it would let through values the schema rejects)."""
-    from kvboost_hf.server.json_bounds import bound_schema
-    from kvboost_hf.server.schema_support import unsupported_construct
+    from kvboost_hf.server.decoding.json_bounds import bound_schema
+    from kvboost_hf.server.decoding.schema_support import unsupported_construct
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}, "required": ["n"]}
     assert bound_schema(schema) == schema

@@ -6,7 +6,7 @@ import json
 
 import jsonschema
 
-from kvboost_hf.server.tools import call_schema, parse_tool_calls, plain_turns, with_tools_system
+from kvboost_hf.server.decoding.tools import call_schema, parse_tool_calls, plain_turns, with_tools_system
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -6,7 +6,7 @@ Shapes: ``/tokenize`` ``{"prompt" | "messages", "add_special_tokens"}`` ->
 ``{"tokens", "count", "max_model_len"}``; ``/detokenize`` ``{"tokens"}`` -> ``{"prompt"}``.
 ``/tokenizer_info`` also says ``add_bos_token``: whether the tokenizer puts ``bos_token`` before
 every text. lm-eval's remote tokenizer always asks ``/tokenize`` for no special tokens, so its
-prompts lack a ``<bos>`` such a model needs (see :mod:`.bos` and docs/server.md's lm-eval command).
+prompts lack a ``<bos>`` such a model needs (see :mod:`kvboost_hf.server.decoding.bos` and docs/server.md's lm-eval command).
 They take the API key and the body-size limit as the ``/v1`` routes do (the app's middleware).
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from kvboost_hf.server import schemas
-from kvboost_hf.server.errors import APIError
+from kvboost_hf.server.api import requests as schemas
+from kvboost_hf.server.api.errors import APIError
 
 
 def install_tokenizer_routes(app: FastAPI, service) -> None:

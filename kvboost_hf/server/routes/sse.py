@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-from kvboost_hf.server.choices import Choice, PromptPlan
-from kvboost_hf.server.generation import SamplingParams
-from kvboost_hf.server.logprobs import chat_logprobs, completion_logprobs
-from kvboost_hf.server.responses import ChunkWriter, chat_finish, data, tool_calls_of, usage_of
-from kvboost_hf.server.scheduler import Job
+from kvboost_hf.server.decoding.logprobs import chat_logprobs, completion_logprobs
+from kvboost_hf.server.engine.generation import SamplingParams
+from kvboost_hf.server.routes.choices import ChunkWriter, chat_finish, data, tool_calls_of, usage_of
+from kvboost_hf.server.scheduling.candidates import Choice, PromptPlan
+from kvboost_hf.server.scheduling.workers import Job
 
 logger = logging.getLogger(__name__)
 

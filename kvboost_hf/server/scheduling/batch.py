@@ -6,13 +6,13 @@ forward, and forwards prompt chunks within ``max_batched_tokens``, so a long pro
 the running streams for more than one chunk. A row whose prompt shares a prefix with a prompt
 being prefilled waits until that prefill ends and its K/V is in the store, then reuses it: a
 burst of requests on one new system prompt computes it once. A job asks for one row per generation
-(:mod:`~kvboost_hf.server.batch_rows`: ``n``, ``best_of`` and list prompts give several, each
+(:mod:`~kvboost_hf.server.scheduling.rows`: ``n``, ``best_of`` and list prompts give several, each
 with its own logits processors and logprobs); its rows join as the batch has room, a finished
 row commits its confirmed K/V to the store, and when the job's last row ends the job gets
 ``("done", result)``. Jobs without rows (``/v1/warm``, prompt scoring, quantized-K/V plans) run
 whole on the same thread between steps.
 
-Jobs and events are those of :mod:`~kvboost_hf.server.scheduler` (``started``, ``delta``,
+Jobs and events are those of :mod:`~kvboost_hf.server.scheduling.workers` (``started``, ``delta``,
 ``done``, ``error``, ``cancelled``), so the routes serve both schedulers alike. A job's memory
 reservation is held from admission (before it is queued) until its last event; the memory
 planner's calibration gets a record per window of steps (:class:`~.calibration.BatchCalibration`:
@@ -29,11 +29,11 @@ from collections.abc import Callable
 
 from kvboost_hf.batching import BatchLimits, BatchRunner, plan_step
 from kvboost_hf.batching.scheduler import waits_for_prefill
-from kvboost_hf.server.admission import MemoryAdmission
-from kvboost_hf.server.batch_metrics import BatchMetrics
-from kvboost_hf.server.batch_rows import BatchRow, JobRows, RowRequest, RowsRequest
-from kvboost_hf.server.calibration import BatchCalibration
-from kvboost_hf.server.scheduler import Job, QueueFullError
+from kvboost_hf.server.observability.batch_metrics import BatchMetrics
+from kvboost_hf.server.scheduling.admission import MemoryAdmission
+from kvboost_hf.server.scheduling.calibration import BatchCalibration
+from kvboost_hf.server.scheduling.rows import BatchRow, JobRows, RowRequest, RowsRequest
+from kvboost_hf.server.scheduling.workers import Job, QueueFullError
 
 __all__ = ["BatchingQueue", "RowRequest", "RowsRequest"]
 
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 class BatchingQueue:
     """A FIFO of at most ``max_queue`` waiting jobs in front of a batch of ``limits.max_batch_size`` rows.
 
-    Same surface as :class:`~kvboost_hf.server.scheduler.GenerationQueue` (``submit``,
+    Same surface as :class:`~kvboost_hf.server.scheduling.workers.GenerationQueue` (``submit``,
     ``waiting``, ``running``, ``depth``, ``start``, ``stop``); ``running`` counts rows and
     ``waiting`` counts waiting jobs plus the rows of started jobs still waiting for room.
     ``admission`` returns the server's memory admission (or None): each row's K/V is accounted

@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvboost_hf.server import schemas
-from kvboost_hf.server.choices import Choice, PromptPlan
-from kvboost_hf.server.logprobs import chat_logprobs, completion_logprobs
-from kvboost_hf.server.tools import ToolCall, parse_tool_calls
+from kvboost_hf.server.api import requests as schemas
+from kvboost_hf.server.decoding.logprobs import chat_logprobs, completion_logprobs
+from kvboost_hf.server.decoding.tools import ToolCall, parse_tool_calls
+from kvboost_hf.server.scheduling.candidates import Choice, PromptPlan
 
 
 def tool_calls_of(choice: Choice, tools: list[dict[str, Any]] | None) -> list[ToolCall]:

@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI API subset the server implements (pydantic models); the response
-bodies live in :mod:`.response_bodies` and are re-exported here.
+bodies live in :mod:`.bodies` and are re-exported here.
 
 Requests accept and ignore OpenAI fields that do not change the output here (``user``,
 ``metadata``, ``store``, ``parallel_tool_calls``, ...). Fields that would change it and are not
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvboost_hf.server.response_bodies import (  # noqa: F401 - re-exported: schemas.<Body> names request and response bodies
+from kvboost_hf.server.api.bodies import (  # noqa: F401 - re-exported: schemas.<Body> names request and response bodies
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model_config = ConfigDict(extra="allow")
@@ -107,7 +107,7 @@ class _SamplingRequest(BaseModel):
                                      f"lower seed to at most {SEED_MAX - candidates + 1}")
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``prompt``: a string, a token id list, or a list of either (one choice set each).
 
     ``max_tokens`` 0 is allowed with ``echo`` (the prompt's logprobs only, as lm-eval asks).
@@ -228,7 +228,7 @@ def _arguments(text: str) -> Any:
         return text
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is a synonym of ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -3,7 +3,7 @@
 ``build_draft`` turns the flag into what ``model.generate(draft=...)`` accepts;
 ``attach_speculation`` makes it the served model's default draft (greedy and sampling requests
 alike), registers a Prometheus collector of the model's running speculation totals, and adds
-them under ``"speculation"`` to ``/v1/stats``. It leaves :mod:`~kvboost_hf.server.app` as is: the
+them under ``"speculation"`` to ``/v1/stats``. It leaves :mod:`~kvboost_hf.server.routes.app` as is: the
 service's ``stats`` is wrapped on the app instance.
 """
 

@@ -5,8 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``str
 vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``. The ``/v1`` and tokenizer
 routes take the API key (when one is set) and a bounded request body (413 past ``max_body_bytes``).
 Every request is checked (parameters, prompt length) before it is queued; generation runs as
-rows of the continuous batch (:class:`~kvboost_hf.server.batch_queue.BatchingQueue`, the CLI's
-default) or on the worker threads of :class:`~kvboost_hf.server.scheduler.GenerationQueue`
+rows of the continuous batch (:class:`~kvboost_hf.server.scheduling.batch.BatchingQueue`, the CLI's
+default) or on the worker threads of :class:`~kvboost_hf.server.scheduling.workers.GenerationQueue`
 (``--scheduler workers``).
 """
 
@@ -23,16 +23,16 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvboost_hf.generation import disable_chunk_reuse, enable_chunk_reuse
-from kvboost_hf.server import schemas
-from kvboost_hf.server.admission import MemoryCollector
-from kvboost_hf.server.errors import APIError, install_error_handlers
-from kvboost_hf.server.metrics import ServerMetrics
-from kvboost_hf.server.queues import make_queue
-from kvboost_hf.server.service import Service, context_length
+from kvboost_hf.server.api import requests as schemas
+from kvboost_hf.server.api.errors import APIError, install_error_handlers
+from kvboost_hf.server.observability.metrics import ServerMetrics
+from kvboost_hf.server.observability.store_metrics import RemoteStoreCollector
+from kvboost_hf.server.observability.streaming_metrics import StreamingCollector, streaming_snapshot
+from kvboost_hf.server.routes.service import Service, context_length
+from kvboost_hf.server.routes.tokenize import install_tokenizer_routes
+from kvboost_hf.server.scheduling.admission import MemoryCollector
+from kvboost_hf.server.scheduling.select import make_queue
 from kvboost_hf.server.settings import ServerSettings
-from kvboost_hf.server.store_metrics import RemoteStoreCollector
-from kvboost_hf.server.streaming_metrics import StreamingCollector, streaming_snapshot
-from kvboost_hf.server.tokenize import install_tokenizer_routes
 from kvboost_hf.store import ChunkStore
 
 __all__ = ["context_length", "create_app"]

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from transformers import LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
-from kvboost_hf.server.errors import APIError
-from kvboost_hf.server.grammar_mask import GrammarMask
+from kvboost_hf.server.api.errors import APIError
+from kvboost_hf.server.decoding.grammar_mask import GrammarMask
 
 
 class LogitBias(LogitsProcessor):

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from kvboost_hf.planner.memory import MIB, SCORE_SLICES, MemoryPlanner, RequestPlan
-from kvboost_hf.server.calibration import Calibration, MemoryCollector, PeakMeter, residual_summary
-from kvboost_hf.server.errors import APIError
+from kvboost_hf.server.api.errors import APIError
+from kvboost_hf.server.scheduling.calibration import Calibration, MemoryCollector, PeakMeter, residual_summary
 
 __all__ = ["Admitted", "Ask", "MemoryAdmission", "MemoryCollector", "Reservation", "plan_headers", "residual_summary"]
 

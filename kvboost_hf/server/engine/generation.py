@@ -21,9 +21,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvboost_hf.cache import ChunkReuseCache, KIVICache
 from kvboost_hf.generation import is_chunk_reuse_enabled
-from kvboost_hf.server.logprobs import TokenLogprob, logprobs_at
-from kvboost_hf.server.processors import sampling_processors
-from kvboost_hf.server.stop_strings import StopStrings
+from kvboost_hf.server.decoding.logprobs import TokenLogprob, logprobs_at
+from kvboost_hf.server.decoding.processors import sampling_processors
+from kvboost_hf.server.decoding.stop_strings import StopStrings
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from kvboost_hf.generation.warm import continuation_probes, probe_texts, reusable_tokens, shared_prefix, warm
-from kvboost_hf.server import schemas
-from kvboost_hf.server.errors import APIError
-from kvboost_hf.server.scheduler import Job
+from kvboost_hf.server.api import requests as schemas
+from kvboost_hf.server.api.errors import APIError
+from kvboost_hf.server.scheduling.workers import Job
 
 
 async def chat_warm_prefix(service, messages: list[schemas.ChatMessage]) -> list[int]:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvboost_hf.batching import RowSampling, Sequence
-from kvboost_hf.server.admission import Admitted
-from kvboost_hf.server.generation import Reply, ReplyText, SamplingParams, visible_tokens
-from kvboost_hf.server.logprobs import TokenLogprob
-from kvboost_hf.server.scheduler import Job
+from kvboost_hf.server.decoding.logprobs import TokenLogprob
+from kvboost_hf.server.engine.generation import Reply, ReplyText, SamplingParams, visible_tokens
+from kvboost_hf.server.scheduling.admission import Admitted
+from kvboost_hf.server.scheduling.workers import Job
 
 
 @dataclass

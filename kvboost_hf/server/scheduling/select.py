@@ -1,5 +1,5 @@
 """The scheduler a server runs: ``workers`` (one ``model.generate`` per worker thread) or ``batch``
-(step-level continuous batching, :mod:`~kvboost_hf.server.batch_queue`)."""
+(step-level continuous batching, :mod:`~kvboost_hf.server.scheduling.batch`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from kvboost_hf.batching import BatchLimits
-from kvboost_hf.server.admission import MemoryAdmission
-from kvboost_hf.server.batch_metrics import BatchMetrics
-from kvboost_hf.server.batch_queue import BatchingQueue
-from kvboost_hf.server.generation import stop_token_ids
-from kvboost_hf.server.scheduler import GenerationQueue
+from kvboost_hf.server.engine.generation import stop_token_ids
+from kvboost_hf.server.observability.batch_metrics import BatchMetrics
+from kvboost_hf.server.scheduling.admission import MemoryAdmission
+from kvboost_hf.server.scheduling.batch import BatchingQueue
+from kvboost_hf.server.scheduling.workers import GenerationQueue
 from kvboost_hf.server.settings import ServerSettings
 
 SCHEDULERS = ("batch", "workers")

@@ -33,7 +33,7 @@ import re
 import sys
 from typing import Any
 
-from kvboost_hf.server.schema_support import subschemas
+from kvboost_hf.server.decoding.schema_support import subschemas
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Response bodies of the OpenAI API subset the server implements (pydantic models), and the ids and
-timestamps they carry. :mod:`.schemas` re-exports them next to the request bodies."""
+timestamps they carry. :mod:`.requests` re-exports them next to the request bodies."""
 
 from __future__ import annotations
 

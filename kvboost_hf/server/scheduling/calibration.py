@@ -28,7 +28,7 @@ from kvboost_hf.planner.probe import process_rss_bytes
 
 
 class MemoryAdmission(Protocol):
-    """What calibration reads of the server's admission (:class:`kvboost_hf.server.admission.MemoryAdmission`)."""
+    """What calibration reads of the server's admission (:class:`kvboost_hf.server.scheduling.admission.MemoryAdmission`)."""
 
     calibration: Calibration
 

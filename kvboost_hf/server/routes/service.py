@@ -16,10 +16,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvboost_hf.planner.memory import MemoryPlanner
-from kvboost_hf.server import schemas
-from kvboost_hf.server.admission import Admitted, Ask, MemoryAdmission, plan_headers
-from kvboost_hf.server.bos import BosCheck, with_warning
-from kvboost_hf.server.choices import (
+from kvboost_hf.server.api import requests as schemas
+from kvboost_hf.server.api.errors import APIError
+from kvboost_hf.server.decoding.bos import BosCheck, with_warning
+from kvboost_hf.server.decoding.logprobs import PROMPT_SLICE_TOKENS, prompt_logprobs
+from kvboost_hf.server.decoding.processors import request_processors
+from kvboost_hf.server.decoding.schema_support import unsupported_construct
+from kvboost_hf.server.decoding.structured import GrammarCompilers, response_format_schema
+from kvboost_hf.server.decoding.tools import call_schema
+from kvboost_hf.server.engine.generation import Reply, SamplingParams, generate_reply, stop_token_ids
+from kvboost_hf.server.observability.metrics import ServerMetrics
+from kvboost_hf.server.observability.streaming_metrics import streaming_snapshot
+from kvboost_hf.server.routes.choices import ChunkWriter, chat_choice, completion_choice, usage_of
+from kvboost_hf.server.routes.prompts import chat_prompt_ids, completion_prompt_ids
+from kvboost_hf.server.routes.sse import sse_events
+from kvboost_hf.server.routes.warming import warm_request
+from kvboost_hf.server.scheduling.admission import Admitted, Ask, MemoryAdmission, plan_headers
+from kvboost_hf.server.scheduling.candidates import (
     Choice,
     PromptPlan,
     candidate_params,
@@ -28,20 +41,8 @@ from kvboost_hf.server.choices import (
     run_choices,
     runs_as_rows,
 )
-from kvboost_hf.server.errors import APIError
-from kvboost_hf.server.generation import Reply, SamplingParams, generate_reply, stop_token_ids
-from kvboost_hf.server.logprobs import PROMPT_SLICE_TOKENS, prompt_logprobs
-from kvboost_hf.server.metrics import ServerMetrics
-from kvboost_hf.server.processors import request_processors
-from kvboost_hf.server.responses import ChunkWriter, chat_choice, completion_choice, usage_of
-from kvboost_hf.server.scheduler import Job, QueueFullError
-from kvboost_hf.server.schema_support import unsupported_construct
+from kvboost_hf.server.scheduling.workers import Job, QueueFullError
 from kvboost_hf.server.settings import ServerSettings
-from kvboost_hf.server.sse import sse_events
-from kvboost_hf.server.streaming_metrics import streaming_snapshot
-from kvboost_hf.server.structured import GrammarCompilers, response_format_schema
-from kvboost_hf.server.tools import call_schema, plain_turns, template_renders_tools, with_tools_system
-from kvboost_hf.server.warming import warm_request
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class Service:
                 param="messages/prompt", code="context_length_exceeded",
             )
 
-    def sampling(self, body: schemas._SamplingRequest, prompt_tokens: int, default_max: int) -> SamplingParams:
+    def sampling(self, body: schemas.SamplingRequest, prompt_tokens: int, default_max: int) -> SamplingParams:
         room = None if self.context is None else self.context - prompt_tokens
         max_tokens = body.max_tokens
         if max_tokens is None:
@@ -168,37 +169,13 @@ class Service:
 
     # ------------------------------------------------------------------ prompts
     async def completion_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return (await run_in_threadpool(self.tokenizer, prompt))["input_ids"]
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="prompt",
-                           code="invalid_value")
-        return list(prompt)
+        return await completion_prompt_ids(self.tokenizer, prompt, self.vocab_size)
 
     async def chat_prompt(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "the tokenizer has no chat template: use /v1/completions", param="messages")
-        dicts = [m.template_dict() for m in messages]
-        extra: dict[str, Any] = {}
-        if template_renders_tools(self.tokenizer):
-            extra = {"tools": tools} if tools else {}
-        else:  # the template knows no tools: tool turns as text, the tool list in the system message
-            if any(d["role"] == "tool" or d.get("tool_calls") for d in dicts):
-                dicts = plain_turns(dicts)
-            if tools:
-                dicts = with_tools_system(dicts, tools)
-        try:
-            encoded = await run_in_threadpool(
-                self.tokenizer.apply_chat_template, dicts, add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=True, **extra,
-            )
-        except Exception as err:  # jinja raise_exception: e.g. roles must alternate
-            raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
-        return list(encoded["input_ids"])
+        return await chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, tools)
 
-    async def processors(self, body: schemas._SamplingRequest, schema: dict | None, param: str):
+    async def processors(self, body: schemas.SamplingRequest, schema: dict | None, param: str):
         """The request's per-call logits processor factory (None when it needs none); 400s for bad settings."""
         return await request_processors(body, schema, param, self.grammars, self.tokenizer, self.vocab_size,
                                         self.eos_ids)
@@ -299,7 +276,7 @@ class Service:
         return admitted
 
     async def generate(self, request: Request, route: str, plans: list[PromptPlan], params: SamplingParams,
-                       body: schemas._SamplingRequest, chat: bool, tools: list[dict] | None = None,
+                       body: schemas.SamplingRequest, chat: bool, tools: list[dict] | None = None,
                        echoes: list[str] | None = None, echo_logprobs: bool = False):
         arrival = time.perf_counter()
         deadline = arrival + self.settings.request_timeout
@@ -393,7 +370,6 @@ class Service:
         self.metrics.observe_outcome("cancelled")
         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
                                        "code": "cancelled"}}, status_code=499)
-
 
     def _record(self, route: str, arrival: float, reply: Reply) -> None:
         if reply.finish_reason is None:

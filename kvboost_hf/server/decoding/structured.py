@@ -35,9 +35,9 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from kvboost_hf.server.errors import APIError
-from kvboost_hf.server.grammar_mask import GrammarMask
-from kvboost_hf.server.json_bounds import json_grammar_ebnf
+from kvboost_hf.server.api.errors import APIError
+from kvboost_hf.server.decoding.grammar_mask import GrammarMask
+from kvboost_hf.server.decoding.json_bounds import json_grammar_ebnf
 from kvboost_hf.server.settings import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
     DEFAULT_GRAMMAR_COMPILE_SLOTS,

@@ -17,10 +17,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvboost_hf.server.admission import Admitted
-from kvboost_hf.server.batch_rows import RowRequest, RowsRequest
-from kvboost_hf.server.generation import Reply, SamplingParams
-from kvboost_hf.server.logprobs import TokenLogprob
+from kvboost_hf.server.decoding.logprobs import TokenLogprob
+from kvboost_hf.server.engine.generation import Reply, SamplingParams
+from kvboost_hf.server.scheduling.admission import Admitted
+from kvboost_hf.server.scheduling.rows import RowRequest, RowsRequest
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The OpenAI wire format: request and response bodies (pydantic) and errors."""

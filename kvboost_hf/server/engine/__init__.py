@@ -1,0 +1,1 @@
+"""One request to ``model.generate``: sampling settings, stop tokens, the ``--draft`` wiring."""

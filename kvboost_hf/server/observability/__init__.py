@@ -1,0 +1,1 @@
+"""Prometheus collectors (``/metrics``) and the JSON figures of ``/v1/stats``."""
