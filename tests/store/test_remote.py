@@ -383,7 +383,9 @@ def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(caplog):
             assert tier.check() is False
         warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
         assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
-        assert sum("unavailable" in r.getMessage() for r in caplog.records) == 3  # the retries: debug
+        # Our three checks, and any the tier's idle health check ran meanwhile: all but the first are debug.
+        down = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(down) >= 3 and sum(r.levelno == logging.DEBUG for r in down) == len(down) - 1
         tier._client.ping = lambda: True  # Redis is back
         tier.breaker.open_until = 0.0
         assert tier.check() is True
