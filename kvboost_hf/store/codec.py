@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,8 @@ from kvboost_hf.store.quant import QuantizedTensor, quantize_keys, quantize_valu
 Encoded = torch.Tensor | QuantizedTensor
 
 # Bookkeeping bytes per entry beyond its tensors and token ids (key, dict slots, dataclass).
+logger = logging.getLogger(__name__)
+
 ENTRY_OVERHEAD_BYTES = 256
 # Per token: its id (8) and its logprob (4, float32), counted from the start although a logprob is
 # attached later (``store.logprobs``), so attaching one never takes a store past its budget.
@@ -214,3 +217,14 @@ def _logprobs_of(tensors: dict[str, torch.Tensor], num_tokens: int) -> torch.Ten
     if value is None or value.dtype != torch.float32 or tuple(value.shape) != (num_tokens,):
         return None
     return value
+
+
+def chunk_from_blob(key: Key, blob: tuple[dict[str, torch.Tensor], dict[str, str]] | None) -> StoredChunk | None:
+    """A verified blob's chunk; None for no blob, or when its (checksummed but forged) layout does not decode."""
+    if blob is None:
+        return None
+    try:
+        return from_tensors(key, *blob)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError) as err:
+        logger.warning("a stored entry passed its checksum but does not decode (%s); not used", err)
+        return None

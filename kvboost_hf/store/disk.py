@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from kvboost_hf.store.codec import StoredChunk, chunk_from_blob, to_tensors
 from kvboost_hf.store.entry_bytes import CorruptEntry, DiskRecord, decode_entry, encode_entry, read_header, record_of
 from kvboost_hf.store.eviction import DISK_HALF_LIFE_S, Candidate, choose_victims, recompute_cost
 from kvboost_hf.store.keys import Key
@@ -38,6 +39,8 @@ class DiskTier:
     ``read_only=True`` never writes, creates, touches or deletes anything, so a directory on
     read-only media can be served: corrupt files are skipped (and counted), not deleted.
     """
+
+    name = "disk"
 
     def __init__(self, path: str | os.PathLike, max_bytes: int, read_only: bool = False) -> None:
         self.path = Path(path)
@@ -70,7 +73,11 @@ class DiskTier:
         return key not in self._bad and self.file_for(key).exists()
 
     # ------------------------------------------------------------------ write
-    def write(self, key: Key, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def write(self, entry: StoredChunk) -> bool:
+        """Write ``entry``'s file (see :meth:`write_blob`); False when it is not written."""
+        return bool(self.write_blob(entry.key, *to_tensors(entry)))
+
+    def write_blob(self, key: Key, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
         """Write one entry atomically; returns its size in bytes, or 0 when it is not written: the
         tier is read-only, its parent chunk has no file (it would be unreachable), or no room can
         be made without evicting its own chain (the chain-aware policy never does that).
@@ -148,7 +155,11 @@ class DiskTier:
                 pass
 
     # ------------------------------------------------------------------ read
-    def read(self, key: Key, namespace: Key) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    def read(self, key: Key, namespace: Key) -> StoredChunk | None:
+        """The verified entry ``key``, or None (missing, corrupt, another namespace, or not decodable)."""
+        return chunk_from_blob(key, self.read_blob(key, namespace))
+
+    def read_blob(self, key: Key, namespace: Key) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
         """Verified tensors and metadata of ``key``, or None (missing, corrupt or another namespace)."""
         if key in self._bad:
             return None
@@ -249,3 +260,10 @@ class DiskTier:
             return self.path.stat().st_mtime_ns
         except OSError:
             return time.time()
+
+    def close(self) -> None:
+        pass  # every write is finished (and atomic) when write() returns
+
+    def stats(self) -> dict:
+        return {"entries": len(self.keys()), "bytes": self.nbytes(), "reads": self.reads, "writes": self.writes,
+                "corrupt_dropped": self.corrupt_dropped, "temp_files_reclaimed": self.temp_reclaimed}

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 import xxhash
 
+from kvboost_hf.store.codec import StoredChunk, chunk_from_blob, to_tensors
 from kvboost_hf.store.entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
 from kvboost_hf.store.index import common_prefix_length
 from kvboost_hf.store.keys import Key
@@ -103,13 +104,17 @@ class CircuitBreaker:
 class RemoteTier:
     """Chunk blobs in Redis under ``prefix``; every call is bounded and never raises for Redis trouble."""
 
+    name = "remote"
+
     def __init__(self, url: str, prefix: str = "kvboost", *, ttl_s: int = 7 * 24 * 3600, timeout_s: float = 0.25,
                  max_pending_bytes: int = 64 << 20, anchor_tokens: int = ANCHOR_TOKENS, client=None,
-                 health_interval_s: float = HEALTH_INTERVAL_S) -> None:
+                 health_interval_s: float = HEALTH_INTERVAL_S,
+                 accepts: Callable[[int | None], bool] = lambda bits: True) -> None:
         import redis  # noqa: PLC0415 - optional dependency: pip install 'kvboost_hf[redis]'
 
         self.url = redact(url)
         self.prefix = prefix
+        self.accepts = accepts  # which precisions the store may serve: reads take the most precise of them
         self.ttl_s = int(ttl_s)
         self._errors = (redis.RedisError, OSError)
         self._client = client or redis.Redis.from_url(
@@ -215,12 +220,18 @@ class RemoteTier:
                 best, best_n = key, n
         return best
 
-    def read(self, key: Key, namespace: Key, accepts: Callable[[int | None], bool], parent: Key | None = None,
-             ids: tuple[int, ...] = ()):
-        """Verified tensors and metadata of ``key`` at the most precise precision ``accepts``, or None.
+    def read(self, key: Key, namespace: Key, *, via: tuple[Key, tuple[int, ...]] | None = None) -> StoredChunk | None:
+        """The verified entry ``key`` at the most precise precision the store accepts, or None.
 
-        A hit refreshes the TTL of the blob and of the successor index it was found through."""
-        wanted = [bits for bits in PRECISIONS if accepts(bits)]
+        A hit refreshes the TTL of the blob and, given ``via=(parent, token ids)``, of the successor
+        index it was found through."""
+        return chunk_from_blob(key, self.read_blob(key, namespace, via=via))
+
+    def read_blob(self, key: Key, namespace: Key, *, via: tuple[Key, tuple[int, ...]] | None = None):
+        """Verified tensors and metadata of ``key`` (see :meth:`read`), or None: missing, corrupt, or only at
+        precisions the store does not accept (then its successor index stays: other stores may use it)."""
+        parent, ids = via if via is not None else (None, ())
+        wanted = [bits for bits in PRECISIONS if self.accepts(bits)]
         names = [self._kv(key, bits) for bits in wanted]
         blobs = self._call("read", lambda: self._client.mget(names))
         if not blobs:
@@ -256,20 +267,36 @@ class RemoteTier:
             return tensors, metadata
         return None
 
+    def has(self, key: Key) -> bool:
+        """Whether a blob of ``key`` exists at a precision the store accepts (False while Redis is down)."""
+        names = [self._kv(key, bits) for bits in PRECISIONS if self.accepts(bits)]
+        return bool(self._call("has", lambda: self._client.exists(*names)))
+
+    def remove(self, key: Key) -> None:
+        """Delete every precision's blob of ``key`` (successor indexes pointing to it are cleaned on use)."""
+        names = [self._kv(key, bits) for bits in PRECISIONS]
+        self._call("remove", lambda: self._client.delete(*names))
+
     # ------------------------------------------------------------------ write
+    def write(self, entry: StoredChunk) -> bool:
+        """Queue ``entry`` for writing (see :meth:`write_async`); False when it is dropped."""
+        tensors, metadata = to_tensors(entry)
+        return self.write_async(entry.key, entry.parent, entry.token_ids, entry.bits, tensors, metadata)
+
     def write_async(self, key: Key, parent: Key, token_ids: tuple[int, ...], bits: int | None,
-                    tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-        """Queue one chunk for writing; dropped (and counted) when the queue is full or the tier is down."""
+                    tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
+        """Queue one chunk for writing; dropped (and counted, False) when the queue is full or the tier is down."""
         if not self.breaker.allow():
             self.counts["skipped"] += 1
-            return
+            return False
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._pending_lock:
             if self._pending_bytes + nbytes > self.max_pending_bytes:
                 self.counts["writes_dropped"] += 1
-                return
+                return False
             self._pending_bytes += nbytes
         self._pending.put_nowait((nbytes, (key, parent, token_ids, bits, tensors, metadata)))
+        return True
 
     def _write_loop(self) -> None:
         self.check()
