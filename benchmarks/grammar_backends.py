@@ -37,7 +37,7 @@ REPLY = {"person (test_structured)": {"name": "Ada Lovelace", "age": 36, "color"
          "name + age (pydantic)": {"name": "Ada Lovelace", "age": 36},
          "array of records": {"items": [{"name": "apples", "price": 1.25}, {"name": "bread", "price": 2.5}]}}
 OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
-REFUSED = {  # (schema, a value it rejects), as in tests/server/test_schema_support.py
+REFUSED = {  # (schema, a value it rejects), as in tests/server/decoding/test_schema_support.py
     "oneOf overlapping": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 5),
     "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, 1),
     "not": ({"type": "integer", "not": {"const": 5}}, 5),

@@ -2,7 +2,7 @@
 
 xgrammar compiles a schema into a grammar of the values it allows. For most keywords that set is
 exactly the schema's, but for a few it is larger, so a "guaranteed" reply could fail validation
-(probed on xgrammar 0.2.8; ``tests/server/test_schema_support.py`` re-probes every one of them):
+(probed on xgrammar 0.2.8; ``tests/server/decoding/test_schema_support.py`` re-probes every one of them):
 
 - ``oneOf`` is decoded as ``anyOf``: a value may match two branches. Exact only when no value can
   match two of them, which :func:`unsupported_construct` proves for branches of disjoint types, or

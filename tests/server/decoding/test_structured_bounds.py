@@ -15,7 +15,7 @@ import torch
 
 from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB
-from tests.server.test_grammar_mask import char_tokenizer
+from tests.server.decoding.test_grammar_mask import char_tokenizer
 
 EOS = 2
 INT64_MIN, INT64_MAX, FLOAT64_MAX = -(2**63), 2**63 - 1, sys.float_info.max

@@ -21,7 +21,7 @@ from kvboost_hf.server.api.errors import APIError
 from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB, make_tiny
 from tests.server.conftest import MODEL_NAME, serve
-from tests.server.test_grammar_mask import SCHEMA, char_tokenizer
+from tests.server.decoding.test_grammar_mask import SCHEMA, char_tokenizer
 
 COMPILE_THREAD = "kvboost-grammar-compile"
 

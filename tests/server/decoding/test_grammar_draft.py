@@ -17,7 +17,7 @@ import torch
 from kvboost_hf import ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, make_draft
 from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB, make_tiny
-from tests.server.test_grammar_mask import SCHEMA, char_tokenizer, decode
+from tests.server.decoding.test_grammar_mask import SCHEMA, char_tokenizer, decode
 
 ALWAYS = ControllerSettings(adaptive=False, max_tokens=6, start_tokens=1, probe_tokens=1)
 ARRAY = {"type": "array", "items": {"type": "object", "properties": {"tag": {"enum": ["ab", "cd"]}},

@@ -36,7 +36,7 @@ from kvboost_hf.store import ChunkStore  # noqa: E402
 from tests.server.conftest import MODEL_NAME, serve  # noqa: E402
 
 TASK = "kvboost_local_mc"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def write_task(directory: Path, docs: list[dict]) -> None:

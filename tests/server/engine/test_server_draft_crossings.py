@@ -16,7 +16,7 @@ import pytest
 from kvboost_hf import ChunkStore, ControllerSettings
 from kvboost_hf.speculative import set_default_draft
 from tests.server.conftest import serve
-from tests.server.test_structured import ADD, PERSON, WEATHER
+from tests.server.decoding.test_structured import ADD, PERSON, WEATHER
 
 pytestmark = pytest.mark.gemma
 NAME = "gemma"

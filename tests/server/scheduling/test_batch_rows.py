@@ -21,7 +21,7 @@ from kvboost_hf import ChunkStore
 from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer, words
-from tests.server.test_batch_server import slow_steps, stream_lines
+from tests.server.scheduling.test_batch_server import slow_steps, stream_lines
 
 TOL = 1e-4
 
