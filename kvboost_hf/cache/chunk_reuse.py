@@ -213,6 +213,7 @@ class ChunkReuseCache(DynamicCache):
         self._num_tokens = 0
         self.trackable = True
         self.segments: list[int] = []  # extra chunk boundaries (token positions) for storing
+        self.salt: str | None = None  # cache_salt: the request's entries live under their own chain root
         self.request: ReuseRequest | None = None
         self.stats: ReuseStats | None = None
 

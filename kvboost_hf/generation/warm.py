@@ -12,11 +12,13 @@ import torch
 from kvboost_hf.cache import ChunkReuseCache
 from kvboost_hf.cache.stats import ReuseStats
 from kvboost_hf.generation.enable import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled
+from kvboost_hf.generation.wrapper import check_salt
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.models.target import target_model
 from kvboost_hf.reuse.commit import commit_request
 from kvboost_hf.reuse.state import reuse_state
 from kvboost_hf.store import ChunkStore
+from kvboost_hf.store.keys import salted
 
 # Stand-ins for the turn a later chat adds after the warmed messages. Their first characters are
 # of different kinds (letter, digit, punctuation), so a template text that the tokenizer merges
@@ -99,17 +101,19 @@ def chat_prefix(tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
     return prefix
 
 
-def reusable_tokens(model: torch.nn.Module, token_ids: Sequence[int], store: ChunkStore | None = None) -> int:
-    """How many leading tokens of ``token_ids`` a later prompt that continues them loads from ``store``
-    (its RAM and disk tiers; an index estimate: nothing is loaded, no counter moves). A prompt that is
-    exactly ``token_ids`` reuses one token fewer: the model forwards at least one prompt token."""
+def reusable_tokens(model: torch.nn.Module, token_ids: Sequence[int], store: ChunkStore | None = None, *,
+                    cache_salt: str | None = None) -> int:
+    """How many leading tokens of ``token_ids`` a later prompt that continues them (with the same
+    ``cache_salt``) loads from ``store`` (its RAM and disk tiers; an index estimate: nothing is loaded,
+    no counter moves). A prompt that is exactly ``token_ids`` reuses one token fewer: the model
+    forwards at least one prompt token."""
     target = target_model(model)
     if store is None:
         state = reuse_state(target)
         if state is None:
             raise ValueError("reusable_tokens() needs store=: pass the ChunkStore, or enable_chunk_reuse(model, store) first")
         store = state.store
-    return store.stored_prefix_length(namespace(target), list(token_ids))
+    return store.stored_prefix_length(salted(namespace(target), check_salt(cache_salt)), list(token_ids))
 
 
 def warm(
@@ -121,6 +125,7 @@ def warm(
     *,
     documents: Sequence[str | Sequence[int]] | None = None,
     messages: Sequence[Mapping[str, Any]] | None = None,
+    cache_salt: str | None = None,
 ) -> ReuseStats:
     """Prefill ``store`` with the K/V of a text or token sequence (one forward, no generation).
 
@@ -131,7 +136,8 @@ def warm(
     warms each document as a segment of its own. ``messages=[...]`` (chat messages, with
     ``tokenizer``'s chat template) warms :func:`chat_prefix`: the tokens every later chat starting
     with those messages shares (for a system prompt, what a chat with it renders before the first
-    user text). ``pin=True`` makes the store evict these chunks last. ``store`` defaults to the
+    user text). ``pin=True`` makes the store evict these chunks last. ``cache_salt``: only later
+    requests with the same salt find these entries (see ``generate(..., cache_salt=...)``). ``store`` defaults to the
     store reuse is enabled with on ``model``. Returns the stats summed over everything warmed
     (``prompt_tokens``: the tokens forwarded).
     """
@@ -141,7 +147,7 @@ def warm(
     if messages is not None:
         if tokenizer is None:
             raise ValueError("warm(messages=...) needs tokenizer= (its chat template renders the messages)")
-        return warm(model, chat_prefix(tokenizer, messages), store, pin=pin)
+        return warm(model, chat_prefix(tokenizer, messages), store, pin=pin, cache_salt=cache_salt)
     target = target_model(model)
     if store is None:
         state = reuse_state(target)
@@ -154,7 +160,7 @@ def warm(
     if documents is not None:
         total = ReuseStats()
         for document in documents:
-            stats = warm(model, document, store, tokenizer=tokenizer, pin=pin)
+            stats = warm(model, document, store, tokenizer=tokenizer, pin=pin, cache_salt=cache_salt)
             total.prompt_tokens += stats.prompt_tokens
             total.reused_tokens += stats.reused_tokens
             total.exact_tokens += stats.exact_tokens
@@ -179,6 +185,7 @@ def warm(
     try:
         state = reuse_state(target)
         cache = ChunkReuseCache(target.config, store)
+        cache.salt = check_salt(cache_salt)
         with torch.no_grad():
             target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         commit_request(state, cache, pin=pin)

@@ -29,6 +29,7 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
     if inputs is not None and inputs.dim() == 2 and inputs.shape[1] == 0 and kwargs.get("inputs_embeds") is None:
         # transformers fails deep inside attention with a reshape error; say what is wrong instead.
         raise ValueError("generate() got an empty prompt (0 tokens): pass at least one token, e.g. the BOS token")
+    salt = check_salt(kwargs.get("cache_salt"))  # popped after the extensions saw it
     segments = kwargs.pop("segments", None)
     kv_bits = kwargs.pop("kv_bits", None)
     if kv_bits is not None:
@@ -36,14 +37,17 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
             raise ValueError("kv_bits builds the request's cache (a KIVICache): do not pass past_key_values as well")
         kwargs["past_key_values"] = KIVICache(model.config, bits=kv_bits)
     sessions = open_sessions(model, kwargs, inputs) if state is not None else ()
+    kwargs.pop("cache_salt", None)
     cache = None
     if state is not None:
         cache, reason = _request_cache(model, state, inputs, kwargs)
         if cache is None and reason:
             prompt = int(inputs.shape[-1]) if inputs is not None and inputs.dim() == 2 else 0
             state.last_stats = ReuseStats(prompt_tokens=prompt, recomputed_tokens=prompt, reason=reason)
-    if cache is not None and segments is not None:
-        cache.segments = [int(p) for p in segments]
+    if cache is not None:
+        cache.salt = salt
+        if segments is not None:
+            cache.segments = [int(p) for p in segments]
     token = activate(sessions)
     try:
         with contextlib.ExitStack() as stack:
@@ -62,6 +66,17 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
     if cache is not None:
         commit_request(state, cache)
     return output
+
+
+def check_salt(salt) -> str | None:
+    """``cache_salt`` as given (None: no salt); TypeError / ValueError for anything but a non-empty string."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError("cache_salt must not be empty: pass None for no salt")
+    return salt
 
 
 def _generate_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from kvboost_hf.reuse.lookup import (
 )
 from kvboost_hf.reuse.repair import RepairContext, ReusePlan, in_inner_forward
 from kvboost_hf.reuse.state import ReuseState, reuse_state
+from kvboost_hf.store.keys import salted
 
 
 def install(model: torch.nn.Module) -> list:
@@ -96,7 +97,7 @@ def start_request(module: torch.nn.Module, state: ReuseState, cache: ChunkReuseC
         cache.untrack()
         return
     try:
-        request.namespace = namespace(module)
+        request.namespace = salted(namespace(module), cache.salt)
     except UnfingerprintableModel as err:
         stats.reason = f"model weights cannot be fingerprinted: {err}"
         stats.layer_tokens = [prompt_len] * len(cache.layers)

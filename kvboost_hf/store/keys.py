@@ -50,6 +50,14 @@ def namespace_key(parts: dict[str, Any]) -> Key:
     return _digest(b"namespace", json.dumps(parts, sort_keys=True, default=str).encode())
 
 
+def salted(namespace: Key, salt: str | None) -> Key:
+    """The root of the chains of requests that carry ``salt`` (``namespace`` itself without one): entries
+    under one salt are unreachable under another, or under none, in every tier."""
+    if salt is None:
+        return namespace
+    return _digest(b"salt", namespace, salt.encode())
+
+
 def segment_spans(num_tokens: int, chunk_size: int, boundaries: Sequence[int] = ()) -> list[tuple[int, int]]:
     """Chunk spans that start a new chunk at every boundary (segment start) and every ``chunk_size`` tokens inside a segment."""
     starts = sorted({b for b in boundaries if 0 < b < num_tokens} | {0}) if num_tokens else []
