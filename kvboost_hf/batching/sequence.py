@@ -41,6 +41,7 @@ class Sequence:
         self.eos_ids = set() if ignore_eos else set(eos_ids)
         self.text = text
         self.cache = None
+        self.salt: str | None = None  # cache_salt: the row's entries live under their own chain root
         self.prefill: PromptPrefill | None = None
         self.generated: list[int] = []
         self.finish_reason: str | None = None

@@ -53,6 +53,8 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
+    # Requests with different salts never share stored K/V (as vLLM's cache_salt); the same salt shares.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -292,6 +294,7 @@ class WarmRequest(BaseModel):
     text: str | None = None
     messages: list[ChatMessage] | None = None
     pin: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # only requests with it find these
 
     @model_validator(mode="after")
     def _one_of(self) -> WarmRequest:

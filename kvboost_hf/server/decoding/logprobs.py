@@ -21,6 +21,7 @@ from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.planner.memory import SCORE_ROWS, SCORE_SLICES
 from kvboost_hf.reuse import commit_request, reuse_state
+from kvboost_hf.store.keys import salted
 from kvboost_hf.store.logprobs import attach_logprobs, stored_logprobs
 
 
@@ -62,7 +63,7 @@ class PromptLogprobs(list):
 
 
 def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
-                    slice_tokens: int = PROMPT_SLICE_TOKENS) -> PromptLogprobs:
+                    slice_tokens: int = PROMPT_SLICE_TOKENS, cache_salt: str | None = None) -> PromptLogprobs:
     """Logprobs of every prompt token given the ones before it (the first has none).
 
     With ``store`` (reuse enabled on ``model``, lossless storage) and ``top`` 0, tokens whose
@@ -73,7 +74,7 @@ def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
     """
     first = TokenLogprob(prompt_ids[0], None)
     state = reuse_state(model) if store is not None else None
-    ns = _namespace_or_none(model) if state is not None else None
+    ns = _namespace_or_none(model, cache_salt) if state is not None else None
     if top > 0 or ns is None or store.kv_bits is not None:
         entries = [first, *_score(model, prompt_ids, 1, top, DynamicCache(config=model.config), slice_tokens)]
         if ns is not None:
@@ -83,15 +84,15 @@ def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
     covered = max(len(known), 1)
     cached = len(prompt_ids)  # all of them when the store holds every logprob: nothing is forwarded
     if covered < len(prompt_ids):
-        fresh, cached = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens)
+        fresh, cached = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens, cache_salt)
         known = [first.logprob, *known[1:covered]] + [e.logprob for e in fresh]
         attach_logprobs(store, ns, prompt_ids, known)
     return PromptLogprobs([TokenLogprob(t, None if i == 0 else known[i]) for i, t in enumerate(prompt_ids)], cached)
 
 
-def _namespace_or_none(model):
+def _namespace_or_none(model, salt: str | None = None):
     try:
-        return namespace(model)
+        return salted(namespace(model), salt)
     except UnfingerprintableModel:
         return None
 
@@ -133,11 +134,12 @@ def _score(model, prompt_ids: list[int], covered: int, top: int, cache, slice_to
 
 
 def _score_on_stored_prefix(model, state, store, prompt_ids: list[int], covered: int,
-                            slice_tokens: int) -> tuple[list[TokenLogprob], int]:
+                            slice_tokens: int, salt: str | None = None) -> tuple[list[TokenLogprob], int]:
     """Logprobs of tokens ``covered...`` on the prefix K/V the store holds (exact hits only, else
     from scratch), and how many prompt tokens were not forwarded; the prompt's K/V are stored
     afterwards, as generate would."""
     cache = ChunkReuseCache(model.config, store)
+    cache.salt = salt
     with torch.no_grad():
         out = _score(model, prompt_ids, covered, 0, cache, slice_tokens)
         stats = cache.stats

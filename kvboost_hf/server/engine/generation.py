@@ -47,6 +47,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and the top k
+    cache_salt: str | None = None  # entries stored and found only under this salt
     # Builds this call's logits processors (grammar, logit_bias, penalties) from the prompt length:
     # a fresh list per generate call (a grammar matcher is single-use).
     processors: Callable[[int], list] | None = None
@@ -242,6 +243,7 @@ def generate_reply(
     elif store is not None and is_chunk_reuse_enabled(model):
         cache = ChunkReuseCache(model.config, store)
         kwargs["past_key_values"] = cache
+        kwargs["cache_salt"] = params.cache_salt
     sampled = params.temperature > 0
     with _SAMPLING_LOCK if sampled else contextlib.nullcontext():
         if sampled and params.seed is not None:  # greedy requests never touch the global RNG

@@ -135,7 +135,7 @@ class Service:
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=body.stop,
-                              seed=body.seed, ignore_eos=body.ignore_eos)
+                              seed=body.seed, ignore_eos=body.ignore_eos, cache_salt=body.cache_salt)
 
     def retry_after(self) -> str:
         mean = self.metrics.snapshot()["latency"]["mean_s"] or 1.0
@@ -305,7 +305,8 @@ class Service:
                 slice_tokens = (admitted.plan and admitted.plan.score_slice_tokens) or PROMPT_SLICE_TOKENS
                 admission = self.admission
                 with admission.running(admitted, scoring=True) if admission else contextlib.nullcontext():
-                    return prompt_logprobs(self.model, ids, top, store, slice_tokens=slice_tokens)
+                    return prompt_logprobs(self.model, ids, top, store, slice_tokens=slice_tokens,
+                                           cache_salt=params.cache_salt)
 
             return run_choices(plans, one, job.cancelled.is_set, score if echo_logprobs else None)
 

@@ -54,8 +54,8 @@ async def warm_request(service, body: schemas.WarmRequest) -> dict[str, Any]:
     arrival = time.perf_counter()
 
     def work(job: Job) -> tuple[Any, int]:
-        stats = warm(service.model, ids, service.store, pin=body.pin)
-        return stats, reusable_tokens(service.model, ids, service.store)
+        stats = warm(service.model, ids, service.store, pin=body.pin, cache_salt=body.cache_salt)
+        return stats, reusable_tokens(service.model, ids, service.store, cache_salt=body.cache_salt)
 
     job = Job(work)
     service.submit(job)

@@ -171,25 +171,31 @@ class BatchingQueue:
         new system prompt computes it once)."""
         if not prefilling or not self.runner.shares_prefills:
             return False
-        prompt = self._next_prompt()
-        if prompt is None or not waits_for_prefill(prompt, self.runner.in_flight(prefilling),
-                                                   self.runner.store.chunk_size):
+        nxt = self._next_row()
+        if nxt is None:
+            return False
+        prompt = nxt.prompt_ids
+        # Only prefills under the same cache_salt can serve it: waiting on another salt's would show in
+        # its TTFT that someone is sending this prefix (and would save nothing).
+        same_salt = [seq for seq in prefilling if seq.salt == nxt.params.cache_salt]
+        if not same_salt or not waits_for_prefill(prompt, self.runner.in_flight(same_salt),
+                                                  self.runner.store.chunk_size):
             return False
         if self._deferred is not prompt:  # count each row once, however many steps it waits
             self._deferred = prompt
             self.metrics.observe_shared_wait()
         return True
 
-    def _next_prompt(self) -> list[int] | None:
-        """The prompt of the row :meth:`_admit` would start next (None: a job run whole, or nothing waits)."""
+    def _next_row(self) -> RowRequest | None:
+        """The row :meth:`_admit` would start next (None: a job run whole, or nothing waits)."""
         for group in self._partial:
             if group.pending:
-                return group.pending[0].request.prompt_ids
+                return group.pending[0].request
         with self._cond:
             job = self._incoming[0] if self._incoming else None
         request = getattr(job, "request", None)
         if isinstance(request, RowsRequest) and request.rows:
-            return request.rows[0].prompt_ids
+            return request.rows[0]
         return None
 
     def _publish(self, row: BatchRow) -> None:
