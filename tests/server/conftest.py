@@ -4,6 +4,7 @@ tiny random models with a word-level tokenizer and a small chat template."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -142,3 +143,14 @@ def server_process(model_dir, *flags: str, startup_s: float = 120.0) -> Iterator
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=30)
+
+
+def all_at_once(call, n: int, timeout_s: float = 180) -> dict:
+    """``{i: call(i)}`` for ``i < n``, every call on its own thread, started together (a burst of clients)."""
+    results: dict = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, call(i))) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    return results

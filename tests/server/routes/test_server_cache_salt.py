@@ -3,7 +3,6 @@ in its reply, its echoed prompt logprobs, /v1/warm, and the batch scheduler's sh
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -11,7 +10,7 @@ import pytest
 
 from kvboost_hf.store import ChunkStore
 from tests.conftest import make_tiny
-from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
+from tests.server.conftest import MODEL_NAME, all_at_once, cycle_words, serve, tiny_tokenizer
 
 PROMPT = cycle_words(60, start=3)
 
@@ -63,16 +62,7 @@ def test_a_burst_under_different_salts_never_waits_on_another_salts_prefill():
     try:
         with serve(model, tokenizer, ChunkStore(max_bytes=50_000_000, chunk_size=16), scheduler="batch",
                    max_batch_size=8, max_batched_tokens=24) as server:
-            replies = {}
-
-            def post(i: int) -> None:
-                replies[i] = complete(server, f"user-{i}")
-
-            threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(180)
+            replies = all_at_once(lambda i: complete(server, f"user-{i}"), 4)
             stats = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()
     finally:
         handle.remove()

@@ -3,7 +3,6 @@ reused exactly by every other row (they wait for the prefill in flight, then loa
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -12,7 +11,7 @@ from kvboost_hf.batching.scheduler import common_prefix, waits_for_prefill
 from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
 from kvboost_hf.store import ChunkStore
 from tests.conftest import make_tiny
-from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
+from tests.server.conftest import MODEL_NAME, all_at_once, cycle_words, serve, tiny_tokenizer
 
 SYSTEM = cycle_words(70, start=11)  # a prefix no request has sent before the burst
 
@@ -45,17 +44,8 @@ def test_a_burst_on_a_new_shared_prefix_computes_it_once_and_answers_exactly():
     handle = model.register_forward_pre_hook(lambda *_: time.sleep(0.01))
     try:
         with serve(model, tokenizer, store, scheduler="batch", max_batch_size=8, max_batched_tokens=24) as server:
-            replies: dict[int, httpx.Response] = {}
-
-            def post(i: int) -> None:
-                replies[i] = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
-                    "model": MODEL_NAME, "prompt": prompts[i], "max_tokens": 6, "temperature": 0})
-
-            threads = [threading.Thread(target=post, args=(i,)) for i in range(8)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(180)
+            replies = all_at_once(lambda i: httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+                "model": MODEL_NAME, "prompt": prompts[i], "max_tokens": 6, "temperature": 0}), 8)
             stats = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()
     finally:
         handle.remove()
