@@ -101,6 +101,17 @@ def chat_prefix(tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
     return prefix
 
 
+def _store_for(target: torch.nn.Module, store: ChunkStore | None, missing: str) -> ChunkStore:
+    """``store``, else the store reuse is enabled with on ``target``; ValueError (``missing``, and how to
+    enable reuse instead) when there is neither."""
+    if store is not None:
+        return store
+    state = reuse_state(target)
+    if state is None:
+        raise ValueError(f"{missing}, or enable_chunk_reuse(model, store) first")
+    return state.store
+
+
 def reusable_tokens(model: torch.nn.Module, token_ids: Sequence[int], store: ChunkStore | None = None, *,
                     cache_salt: str | None = None) -> int:
     """How many leading tokens of ``token_ids`` a later prompt that continues them (with the same
@@ -108,11 +119,7 @@ def reusable_tokens(model: torch.nn.Module, token_ids: Sequence[int], store: Chu
     no counter moves). A prompt that is exactly ``token_ids`` reuses one token fewer: the model
     forwards at least one prompt token."""
     target = target_model(model)
-    if store is None:
-        state = reuse_state(target)
-        if state is None:
-            raise ValueError("reusable_tokens() needs store=: pass the ChunkStore, or enable_chunk_reuse(model, store) first")
-        store = state.store
+    store = _store_for(target, store, "reusable_tokens() needs store=: pass the ChunkStore")
     return store.stored_prefix_length(salted(namespace(target), check_salt(cache_salt)), list(token_ids))
 
 
@@ -137,8 +144,8 @@ def warm(
     ``tokenizer``'s chat template) warms :func:`chat_prefix`: the tokens every later chat starting
     with those messages shares (for a system prompt, what a chat with it renders before the first
     user text). ``pin=True`` makes the store evict these chunks last. ``cache_salt``: only later
-    requests with the same salt find these entries (see ``generate(..., cache_salt=...)``). ``store`` defaults to the
-    store reuse is enabled with on ``model``. Returns the stats summed over everything warmed
+    requests with the same salt find these entries (see ``generate(..., cache_salt=...)``).
+    ``store`` defaults to the store reuse is enabled with on ``model``. Returns the stats summed over everything warmed
     (``prompt_tokens``: the tokens forwarded).
     """
     given = sum(x is not None for x in (input_ids_or_text, documents, messages))
@@ -149,11 +156,7 @@ def warm(
             raise ValueError("warm(messages=...) needs tokenizer= (its chat template renders the messages)")
         return warm(model, chat_prefix(tokenizer, messages), store, pin=pin, cache_salt=cache_salt)
     target = target_model(model)
-    if store is None:
-        state = reuse_state(target)
-        if state is None:
-            raise ValueError("warm() needs store=: pass the ChunkStore to fill, or enable_chunk_reuse(model, store) first")
-        store = state.store
+    store = _store_for(target, store, "warm() needs store=: pass the ChunkStore to fill")
     if documents is None and isinstance(input_ids_or_text, (list, tuple)) and input_ids_or_text \
             and isinstance(input_ids_or_text[0], str):
         documents = input_ids_or_text
