@@ -44,7 +44,7 @@ class BatchRunner:
         """Give ``seq`` its own cache and load what the store holds of its prompt."""
         cache = new_row_cache(self.model, self.store)
         if isinstance(cache, ChunkReuseCache):
-            cache.salt = seq.salt
+            cache.scope = seq.scope
         seq.start(cache, start_prefill(self.model, cache, seq.prompt_ids))
 
     def step(self, decoding: list[Sequence], prefilling: list[Sequence] = (),

@@ -9,6 +9,7 @@ import torch
 
 from kvboost_hf.batching.prefill import PromptPrefill
 from kvboost_hf.batching.sampling import RawLogprob, RowSampling, next_token, raw_logprob
+from kvboost_hf.store.scope import CacheScope
 
 
 class VisibleText(Protocol):
@@ -41,7 +42,7 @@ class Sequence:
         self.eos_ids = set() if ignore_eos else set(eos_ids)
         self.text = text
         self.cache = None
-        self.salt: str | None = None  # cache_salt: the row's entries live under their own chain root
+        self.scope: CacheScope | None = None  # cache_salt: whose chains the row reads and feeds
         self.prefill: PromptPrefill | None = None
         self.generated: list[int] = []
         self.finish_reason: str | None = None

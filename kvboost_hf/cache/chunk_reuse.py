@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvboost_hf.cache.stats import ReuseStats
     from kvboost_hf.store import ChunkStore
     from kvboost_hf.store.keys import Key
+    from kvboost_hf.store.scope import CacheScope
 
 logger = logging.getLogger(__name__)
 _warned_unmanaged = False
@@ -190,7 +191,10 @@ def _reuse_layer_for(layer):
 class ReuseRequest:
     """What the hook decided at the first forward of a request."""
 
-    namespace: Key | None = None
+    namespace: Key | None = None  # the root of the request's own chains (its CacheScope's)
+    shared: Key | None = None  # the root of the shared chains it starts from, if any
+    owner: str | None = None  # who its new entries are charged to
+    epoch: int | None = None  # the owner's purge count when it began (a purge since drops its entries)
     prompt_tokens: int = 0
     commit_limit: int | None = None  # batch > 1 stores only the (shared) prompt
 
@@ -213,7 +217,7 @@ class ChunkReuseCache(DynamicCache):
         self._num_tokens = 0
         self.trackable = True
         self.segments: list[int] = []  # extra chunk boundaries (token positions) for storing
-        self.salt: str | None = None  # cache_salt: the request's entries live under their own chain root
+        self.scope: CacheScope | None = None  # cache_salt: whose chains the request reads and feeds
         self.request: ReuseRequest | None = None
         self.stats: ReuseStats | None = None
 
@@ -317,7 +321,8 @@ class ChunkReuseCache(DynamicCache):
             values = [v[0, :, start:end, :].clone() for _, v in states]
             return keys, values
 
-        return self.store.insert(request.namespace, ids, chunk_states, pin=pin, boundaries=boundaries)
+        return self.store.insert(request.namespace, ids, chunk_states, pin=pin, boundaries=boundaries,
+                                 shared=request.shared, owner=request.owner, epoch=request.epoch)
 
 
 def _warn_unmanaged() -> None:

@@ -12,13 +12,12 @@ import torch
 from kvboost_hf.cache import ChunkReuseCache
 from kvboost_hf.cache.stats import ReuseStats
 from kvboost_hf.generation.enable import disable_chunk_reuse, enable_chunk_reuse, is_chunk_reuse_enabled
-from kvboost_hf.generation.wrapper import check_salt
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.models.target import target_model
 from kvboost_hf.reuse.commit import commit_request
 from kvboost_hf.reuse.state import reuse_state
 from kvboost_hf.store import ChunkStore
-from kvboost_hf.store.keys import salted
+from kvboost_hf.store.scope import CacheScope, as_scope
 
 # Stand-ins for the turn a later chat adds after the warmed messages. Their first characters are
 # of different kinds (letter, digit, punctuation), so a template text that the tokenizer merges
@@ -113,14 +112,15 @@ def _store_for(target: torch.nn.Module, store: ChunkStore | None, missing: str) 
 
 
 def reusable_tokens(model: torch.nn.Module, token_ids: Sequence[int], store: ChunkStore | None = None, *,
-                    cache_salt: str | None = None) -> int:
+                    cache_salt: str | CacheScope | None = None) -> int:
     """How many leading tokens of ``token_ids`` a later prompt that continues them (with the same
     ``cache_salt``) loads from ``store`` (its RAM and disk tiers; an index estimate: nothing is loaded,
     no counter moves). A prompt that is exactly ``token_ids`` reuses one token fewer: the model
     forwards at least one prompt token."""
     target = target_model(model)
     store = _store_for(target, store, "reusable_tokens() needs store=: pass the ChunkStore")
-    return store.stored_prefix_length(salted(namespace(target), check_salt(cache_salt)), list(token_ids))
+    scope, ns = as_scope(cache_salt) or CacheScope(), namespace(target)
+    return store.stored_prefix_length(scope.root(ns), list(token_ids), shared=scope.shared_root(ns))
 
 
 def warm(
@@ -132,7 +132,7 @@ def warm(
     *,
     documents: Sequence[str | Sequence[int]] | None = None,
     messages: Sequence[Mapping[str, Any]] | None = None,
-    cache_salt: str | None = None,
+    cache_salt: str | CacheScope | None = None,
 ) -> ReuseStats:
     """Prefill ``store`` with the K/V of a text or token sequence (one forward, no generation).
 
@@ -144,7 +144,8 @@ def warm(
     ``tokenizer``'s chat template) warms :func:`chat_prefix`: the tokens every later chat starting
     with those messages shares (for a system prompt, what a chat with it renders before the first
     user text). ``pin=True`` makes the store evict these chunks last. ``cache_salt``: only later
-    requests with the same salt find these entries (see ``generate(..., cache_salt=...)``).
+    requests with the same salt find these entries (see ``generate(..., cache_salt=...)``; a
+    :class:`~kvboost_hf.store.scope.CacheScope` also names the owner they are charged to).
     ``store`` defaults to the store reuse is enabled with on ``model``. Returns the stats summed over everything warmed
     (``prompt_tokens``: the tokens forwarded).
     """
@@ -188,7 +189,7 @@ def warm(
     try:
         state = reuse_state(target)
         cache = ChunkReuseCache(target.config, store)
-        cache.salt = check_salt(cache_salt)
+        cache.scope = as_scope(cache_salt)
         with torch.no_grad():
             target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         commit_request(state, cache, pin=pin)

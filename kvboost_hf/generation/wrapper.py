@@ -17,6 +17,7 @@ from kvboost_hf.cache import ChunkReuseCache, KIVICache, ReuseStats
 from kvboost_hf.generation.extension import activate, deactivate, open_sessions
 from kvboost_hf.models import attention
 from kvboost_hf.reuse import ReuseState, commit_request, reuse_state
+from kvboost_hf.store.scope import as_scope
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
     if inputs is not None and inputs.dim() == 2 and inputs.shape[1] == 0 and kwargs.get("inputs_embeds") is None:
         # transformers fails deep inside attention with a reshape error; say what is wrong instead.
         raise ValueError("generate() got an empty prompt (0 tokens): pass at least one token, e.g. the BOS token")
-    salt = check_salt(kwargs.get("cache_salt"))  # popped after the extensions saw it
+    scope = as_scope(kwargs.get("cache_salt"))  # popped after the extensions saw it
     segments = kwargs.pop("segments", None)
     kv_bits = kwargs.pop("kv_bits", None)
     if kv_bits is not None:
@@ -45,7 +46,7 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
             prompt = int(inputs.shape[-1]) if inputs is not None and inputs.dim() == 2 else 0
             state.last_stats = ReuseStats(prompt_tokens=prompt, recomputed_tokens=prompt, reason=reason)
     if cache is not None:
-        cache.salt = salt
+        cache.scope = scope
         if segments is not None:
             cache.segments = [int(p) for p in segments]
     token = activate(sessions)
@@ -66,17 +67,6 @@ def generate_with_reuse(model: torch.nn.Module, original, args: tuple, kwargs: d
     if cache is not None:
         commit_request(state, cache)
     return output
-
-
-def check_salt(salt) -> str | None:
-    """``cache_salt`` as given (None: no salt); TypeError / ValueError for anything but a non-empty string."""
-    if salt is None:
-        return None
-    if not isinstance(salt, str):
-        raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
-    if not salt:
-        raise ValueError("cache_salt must not be empty: pass None for no salt")
-    return salt
 
 
 def _generate_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:

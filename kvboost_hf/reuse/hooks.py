@@ -30,7 +30,7 @@ from kvboost_hf.reuse.lookup import (
 )
 from kvboost_hf.reuse.repair import RepairContext, ReusePlan, in_inner_forward
 from kvboost_hf.reuse.state import ReuseState, reuse_state
-from kvboost_hf.store.keys import salted
+from kvboost_hf.store.scope import CacheScope
 
 
 def install(model: torch.nn.Module) -> list:
@@ -97,12 +97,15 @@ def start_request(module: torch.nn.Module, state: ReuseState, cache: ChunkReuseC
         cache.untrack()
         return
     try:
-        request.namespace = salted(namespace(module), cache.salt)
+        model_namespace = namespace(module)
     except UnfingerprintableModel as err:
         stats.reason = f"model weights cannot be fingerprinted: {err}"
         stats.layer_tokens = [prompt_len] * len(cache.layers)
         cache.untrack()
         return
+    scope = cache.scope or CacheScope()
+    request.namespace, request.shared = scope.root(model_namespace), scope.shared_root(model_namespace)
+    request.owner, request.epoch = scope.owner, cache.store.epoch(scope.owner)
     if input_ids.shape[0] > 1:
         request.commit_limit = cache.num_tokens + prompt_len
     reused = exact = 0

@@ -73,7 +73,8 @@ def continue_prefix(cache: ChunkReuseCache, input_ids: torch.Tensor, kwargs: dic
     the forward, and add this forward's prompt tokens to the request's stats."""
     have, new = cache.num_tokens, input_ids.shape[1]
     ids = cache.token_ids() + input_ids[0].tolist()
-    hits = cache.store.lookup(cache.request.namespace, ids, max_tokens=have + new - kwargs["logits_to_keep"])
+    hits = cache.store.lookup(cache.request.namespace, ids, max_tokens=have + new - kwargs["logits_to_keep"],
+                              shared=cache.request.shared)
     loaded = exact = 0
     for hit in hits:
         skip = max(0, have - hit.start)
@@ -100,7 +101,7 @@ def continue_prefix(cache: ChunkReuseCache, input_ids: torch.Tensor, kwargs: dic
 def load_prefix(cache: ChunkReuseCache, namespace: Key, input_ids: torch.Tensor, max_tokens: int) -> tuple[int, int]:
     """Load the longest stored prefix of the prompt into the empty cache; returns (reused, exact) token counts."""
     row = input_ids[0]
-    hits = cache.store.lookup(namespace, row.tolist(), max_tokens=max_tokens)
+    hits = cache.store.lookup(namespace, row.tolist(), max_tokens=max_tokens, shared=cache.request.shared)
     reused = sum(hit.num_tokens for hit in hits)
     if not reused:
         return 0, 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvboost_hf.cli_checks import FlagError, first_line, model_path_flag, readable_file_flag, size_flag
 from kvboost_hf.planner.probe import process_rss_bytes
+from kvboost_hf.server.api.keys import KeyFileError, KeyRing
 from kvboost_hf.server.settings import RECOMPUTE_STRATEGIES
 from kvboost_hf.units import format_size
 
@@ -45,7 +46,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name clients send as 'model' (default: --model, or gemma-3-270m)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address; the default serves this machine only")
     parser.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    keys.add_argument("--api-keys", default=None, metavar="FILE",
+                      help='tenants: a JSON file {"<key>": {"tenant": NAME, "store_bytes": N, "admin": BOOL}}; '
+                           "each tenant's cache entries are its own; re-read on SIGHUP")
     store = parser.add_argument_group("chunk store")
     store.add_argument("--max-cache-bytes", default="2GB", metavar="SIZE",
                        help="store budget in RAM: a size such as 2GB or 1.5GiB, or a number of bytes")
@@ -166,7 +171,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
             if draft not in DRAFT_CHOICES:  # an assistant model's directory or id
                 model_path_flag("--draft", draft)
-    except FlagError as err:
+        if getattr(args, "api_keys", None) is not None:
+            KeyRing(args.api_keys)  # a malformed file stops the start here, before the model loads
+    except (FlagError, KeyFileError) as err:
         raise ServeError(str(err)) from None
     if not 1 <= args.port <= 65535:
         raise ServeError(f"--port {args.port}: use a port from 1 to 65535")
@@ -335,6 +342,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from kvboost_hf.server.routes.app import context_length, create_app
+        from kvboost_hf.server.routes.tenancy import reload_on_sighup
         from kvboost_hf.server.settings import ServerSettings
     except ImportError as err:
         raise ServeError(f"the server needs its extra: pip install 'kvboost_hf[server]' ({err})") from err
@@ -346,6 +354,7 @@ def serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
             api_key=args.api_key,
+            api_keys_file=getattr(args, "api_keys", None),
             reuse=not args.no_reuse,
             max_prompt_tokens=args.max_prompt_tokens,
             max_queue=args.max_queue,
@@ -386,6 +395,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.warm or args.warm_file:
         limits = [v for v in (context_length(model), args.max_prompt_tokens) if v is not None]
         warm_texts(model, tokenizer, store, args.warm, args.warm_file, min(limits) if limits else None)
+    if settings.api_keys_file:
+        reload_on_sighup(app.state.tenancy)
     print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -40,10 +40,14 @@ class ServerSettings:
     routes to ``max_body_bytes`` (413); compiled grammars cached to ``grammar_cache_bytes``; a
     schema's compile to ``grammar_compile_timeout`` seconds (400), with at most
     ``grammar_compile_slots`` compiles running at once (503 when none frees in time).
+    ``api_key`` is the one key of a one-tenant server; ``api_keys_file`` instead names a JSON file of
+    keys and the tenants they belong to (:mod:`kvboost_hf.server.api.keys`), each tenant's entries
+    its own in every tier.
     """
 
     model_name: str = "kvboost-hf"
     api_key: str | None = None
+    api_keys_file: str | None = None
     reuse: bool = True
     max_prompt_tokens: int | None = None
     max_queue: int = 64
@@ -94,3 +98,5 @@ class ServerSettings:
             BatchLimits(self.max_batch_size, self.max_batched_tokens)
         if self.api_key == "":
             self.api_key = None
+        if self.api_key is not None and self.api_keys_file is not None:
+            raise ValueError("give one of api_key (one tenant) or api_keys_file (tenants), not both")

@@ -34,7 +34,7 @@ from kvboost_hf.speculative.model_state import model_state
 from kvboost_hf.speculative.ngram import LookupSettings
 from kvboost_hf.speculative.seeded import PositionGumbel, request_seed
 from kvboost_hf.speculative.stats import SpeculationStats
-from kvboost_hf.store.keys import salted
+from kvboost_hf.store.scope import CacheScope, as_scope
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class SpeculationRequest:
     controller: DraftController | None = None
     memory_key: object = None  # which earlier requests' costs this one starts from
     exact_rows: bool = False  # verification forwards route attention per row (exact_rows.py)
-    salt: str | None = None  # the call's cache_salt: store-wide drafts read only entries under it
+    scope: CacheScope | None = None  # the call's cache_salt: store-wide drafts read only its own entries
     stopping_criteria: list = field(default_factory=list)  # the caller's, asked about drafts if side-effect free
 
 
@@ -63,8 +63,8 @@ def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = 
     request = _prepare(model, kwargs, inputs)
     if request is not None:
         request.stopping_criteria = list(kwargs.get("stopping_criteria") or ())
-        request.salt = kwargs.get("cache_salt")
-        if request.salt is not None and request.kind == "model":
+        request.scope = as_scope(kwargs.get("cache_salt"))
+        if request.scope is not None and request.kind == "model":
             # The draft model's own prefill reuse would read and feed unsalted entries.
             raise ValueError("cache_salt with a model draft is not supported yet: use draft='prompt-lookup' or "
                              "draft='store', or no cache_salt")
@@ -183,7 +183,7 @@ def candidate_generator(model: torch.nn.Module, request: SpeculationRequest, gen
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
         proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive)
     elif request.kind in LOOKUP_DRAFTS:
-        store_index = LazyStoreNgrams(lambda: _store_index(model, request.salt)) if request.kind == "store" else None
+        store_index = LazyStoreNgrams(lambda: _store_index(model, request.scope)) if request.kind == "store" else None
         proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))
     else:
         proposer = FixedProposer(generator, request.stats.draft or type(generator).__name__)
@@ -226,12 +226,12 @@ def finish(request: SpeculationRequest, output) -> None:
         request.stats.draft_prompt_tokens = draft_cache.stats.prompt_tokens
 
 
-def _store_index(model: torch.nn.Module, salt: str | None = None):
+def _store_index(model: torch.nn.Module, scope: CacheScope | None = None):
     state = reuse_state(model)
     if state is None:
         return None
     try:
-        key = salted(namespace(model), salt)
+        key = (scope or CacheScope()).root(namespace(model))
     except UnfingerprintableModel as err:
         logger.warning("store-wide drafts fall back to prompt lookup: %s", err)
         return None

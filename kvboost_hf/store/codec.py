@@ -56,6 +56,7 @@ class StoredChunk:
     # float32 [num_tokens]: each token's logprob given every token before it (NaN for a chain's first
     # token); None until a forward that computed them attached them (``store.logprobs``).
     logprobs: torch.Tensor | None = None
+    owner: str | None = None  # who the store charges it to (CacheScope.owner): quotas and purges
 
     def __post_init__(self) -> None:
         pieces = (*self.keys, *self.values, *self.sink_keys, *self.sink_values)
@@ -185,6 +186,8 @@ def to_tensors(entry: StoredChunk) -> tuple[dict[str, torch.Tensor], dict[str, s
         "kv_bits": "none" if entry.bits is None else str(entry.bits),
         "pinned": "1" if entry.pinned else "0",
     }
+    if entry.owner is not None:
+        metadata["owner"] = entry.owner
     return {k: v.detach().to("cpu") for k, v in tensors.items()}, metadata
 
 
@@ -208,6 +211,7 @@ def from_tensors(key: Key, tensors: dict[str, torch.Tensor], metadata: dict[str,
         sink_values=[tensors[f"sv{i}"] for i in range(layers)] if has_sink else [],
         pinned=metadata.get("pinned") == "1",
         logprobs=_logprobs_of(tensors, len(json.loads(metadata["tokens"]))),
+        owner=metadata.get("owner"),
     )
 
 

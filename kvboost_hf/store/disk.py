@@ -49,6 +49,7 @@ class DiskTier:
         self.reads = self.writes = self.corrupt_dropped = self.temp_reclaimed = 0
         self._headers: dict[Key, tuple[tuple[int, int], DiskRecord]] = {}  # key -> ((inode, size), record)
         self._bad: dict[Key, tuple[int, int]] = {}  # corrupt files a read-only tier keeps skipping
+        self.quotas: dict[str, int] = {}  # owner -> bytes of its files (the store sets it, as for RAM)
         self.lock = FileLock(str(self.path / ".lock"))
         if read_only:
             if not self.path.is_dir():
@@ -92,7 +93,7 @@ class DiskTier:
         try:
             with self.lock:
                 old = target.stat().st_size if target.exists() else 0
-                if not self._make_room(len(data) - old, keep={key, parent}):
+                if not self._make_room(len(data) - old, keep={key, parent}, owner=metadata.get("owner")):
                     return 0
                 tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
                 with open(tmp, "wb") as f:
@@ -120,12 +121,27 @@ class DiskTier:
             logger.info("reclaimed %s (%d bytes) left by a writer that died mid-write", tmp.name, size)
         return freed
 
-    def _make_room(self, nbytes: int, keep: set[Key]) -> bool:
+    def _make_room(self, nbytes: int, keep: set[Key], owner: str | None = None) -> bool:
+        """Delete files until ``nbytes`` more of ``owner``'s fit: within the owner's own files first when
+        it has a quota, then (over ``max_bytes``) files of owners without a quota before anyone's."""
         self._reclaim_temp_files()
         records = self.records(self.keys())
-        total = sum(r.nbytes for r in records)
-        if total + nbytes <= self.max_bytes:
+        quota = self.quotas.get(owner) if owner is not None else None
+        if quota is not None:
+            own = [r for r in records if r.owner == owner]
+            need = sum(r.nbytes for r in own) + nbytes - quota
+            if need > 0 and not self._evict(own, need, keep):
+                return False
+            records = self.records(self.keys())
+        need = sum(r.nbytes for r in records) + nbytes - self.max_bytes
+        if need <= 0:
             return True
+        unquotad = [r for r in records if r.owner not in self.quotas]
+        return self._evict(unquotad, need, keep) or self._evict(records, need, keep)
+
+    def _evict(self, records: list[DiskRecord], need: int, keep: set[Key]) -> bool:
+        """Delete files among ``records`` freeing ``need`` bytes (chain-aware, :mod:`.eviction`); False,
+        deleting nothing, when that is impossible without touching ``keep``."""
         now = time.time()
         candidates = []
         for r in records:
@@ -135,7 +151,7 @@ class DiskTier:
                 age = 0.0
             value = recompute_cost(r.start, len(r.token_ids)) / r.nbytes * 0.5 ** (age / DISK_HALF_LIFE_S)
             candidates.append(Candidate(r.key, r.parent, r.namespace, r.nbytes, value, r.pinned))
-        victims = choose_victims(candidates, total + nbytes - self.max_bytes, keep)
+        victims = choose_victims(candidates, need, keep)
         if victims is None:
             return False
         for key in victims:
@@ -235,6 +251,10 @@ class DiskTier:
             except (CorruptEntry, KeyError, ValueError, OSError) as err:
                 self.drop_corrupt(p, key, str(err))
         return out
+
+    def owned(self, owner: str | None) -> list[Key]:
+        """Keys of the files charged to ``owner``."""
+        return [r.key for r in self.records(self.keys()) if r.owner == owner]
 
     def remove(self, key: Key) -> None:
         if self.read_only:

@@ -39,6 +39,7 @@ class DiskRecord:
     start: int = 0
     bits: int | None = None  # storage precision: None = the model's own dtype (lossless)
     pinned: bool = False
+    owner: str | None = None
 
 
 def precision_of(metadata: dict[str, str]) -> int | None:
@@ -67,9 +68,17 @@ def record_of(key: Key, meta: dict[str, str], nbytes: int) -> DiskRecord:
         return DiskRecord(
             key=key, parent=parent, namespace=bytes.fromhex(meta["namespace"]), token_ids=tokens, nbytes=nbytes,
             start=int(meta.get("start", 0)), bits=precision_of(meta), pinned=meta.get("pinned") == "1",
+            owner=_owner_of(meta),
         )
     except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as err:
         raise CorruptEntry(f"malformed header: {type(err).__name__}: {err}") from err
+
+
+def _owner_of(meta: dict) -> str | None:
+    owner = meta.get("owner")
+    if owner is not None and (not isinstance(owner, str) or not owner):
+        raise CorruptEntry("owner is not a non-empty string")
+    return owner
 
 
 def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:

@@ -58,6 +58,20 @@ def salted(namespace: Key, salt: str | None) -> Key:
     return _digest(b"salt", namespace, salt.encode())
 
 
+def owned(root: Key, owner: str | None) -> Key:
+    """The root of ``owner``'s chains under ``root`` (``root`` itself without one): two owners never share
+    an entry, so one's eviction or purge never strands the other's successors."""
+    if owner is None:
+        return root
+    return _digest(b"owner", root, owner.encode())
+
+
+def switch_root(shared_key: Key, root: Key) -> Key:
+    """The root a chain of ``root`` continues from after the shared chunk ``shared_key``: what follows a
+    shared prefix stays in ``root``'s scope (another root never reaches it through the shared chunk)."""
+    return _digest(b"switch", shared_key, root)
+
+
 def segment_spans(num_tokens: int, chunk_size: int, boundaries: Sequence[int] = ()) -> list[tuple[int, int]]:
     """Chunk spans that start a new chunk at every boundary (segment start) and every ``chunk_size`` tokens inside a segment."""
     starts = sorted({b for b in boundaries if 0 < b < num_tokens} | {0}) if num_tokens else []

@@ -19,13 +19,13 @@ import torch
 from kvboost_hf.store.keys import Key
 
 
-def stored_logprobs(store, namespace: Key, token_ids: Sequence[int]) -> list[float | None]:
+def stored_logprobs(store, namespace: Key, token_ids: Sequence[int], *, shared: Key | None = None) -> list[float | None]:
     """Logprobs of the leading tokens of ``token_ids`` that the store holds; stops at the first chunk without.
 
     The first token of a chain has none (``None``); every later entry is a float.
     """
     out: list[float | None] = []
-    for hit in store.lookup(namespace, token_ids):
+    for hit in store.lookup(namespace, token_ids, shared=shared):
         values = hit.chunk.logprobs
         if values is None or not hit.exact:
             break
@@ -33,13 +33,14 @@ def stored_logprobs(store, namespace: Key, token_ids: Sequence[int]) -> list[flo
     return out
 
 
-def attach_logprobs(store, namespace: Key, token_ids: Sequence[int], logprobs: Sequence[float | None]) -> int:
+def attach_logprobs(store, namespace: Key, token_ids: Sequence[int], logprobs: Sequence[float | None], *,
+                    shared: Key | None = None) -> int:
     """Keep ``logprobs[i]`` (of ``token_ids[i]``) with every stored chunk of the prompt's prefix chain
     that lies wholly inside it; returns how many chunks got them."""
     if len(logprobs) != len(token_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
     attached = []
-    for hit in store.lookup(namespace, token_ids):
+    for hit in store.lookup(namespace, token_ids, shared=shared):
         if not hit.exact or hit.offset or hit.num_tokens != hit.chunk.num_tokens:
             continue  # a chunk reaching past the prompt: the logprobs of its other tokens are unknown here
         values = logprobs[hit.start : hit.start + hit.num_tokens]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from kvboost_hf.store.codec import StoredChunk
@@ -21,7 +22,9 @@ class RamTier:
         self.max_bytes = max_bytes
         self.recency_half_life = recency_half_life
         self.nbytes = 0
-        self.counts = {"evictions": 0, "pinned_evictions": 0, "rejected": 0}
+        self.counts = {"evictions": 0, "pinned_evictions": 0, "rejected": 0, "quota_evictions": 0}
+        self.quotas: dict[str, int] = {}  # owner -> bytes its own entries may hold (the store sets it)
+        self.owner_bytes: Counter[str | None] = Counter()
         self._entries: dict[Key, StoredChunk] = {}
 
     def __len__(self) -> int:
@@ -52,8 +55,10 @@ class RamTier:
         old = self._entries.get(entry.key)
         if old is not None:
             self.nbytes -= old.nbytes
+            self.owner_bytes[old.owner] -= old.nbytes
         self._entries[entry.key] = entry
         self.nbytes += entry.nbytes
+        self.owner_bytes[entry.owner] += entry.nbytes
         return True
 
     def remove(self, key: Key) -> StoredChunk | None:
@@ -61,6 +66,7 @@ class RamTier:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
+            self.owner_bytes[entry.owner] -= entry.nbytes
         return entry
 
     def close(self) -> None:
@@ -71,24 +77,47 @@ class RamTier:
                 "pinned_entries": sum(1 for e in self._entries.values() if e.pinned), **self.counts}
 
     # ------------------------------------------------------------------ budget
-    def make_room(self, nbytes: int, protected: set[Key], clock: int, evict: Callable[[Key], None]) -> bool:
-        """Evict until ``nbytes`` more fit (never an entry in ``protected``), calling ``evict(key)`` for each
-        victim, which must remove it; False (and nothing evicted beyond what was needed) when they cannot fit."""
-        if nbytes > self.max_bytes:
+    def make_room(self, nbytes: int, protected: set[Key], clock: int, evict: Callable[[Key], None],
+                  owner: str | None = None) -> bool:
+        """Evict until ``nbytes`` more of ``owner``'s fit (never an entry in ``protected``), calling
+        ``evict(key)`` for each victim, which must remove it; False (and nothing evicted beyond what was
+        needed) when they cannot fit.
+
+        An owner with a quota makes room within its own entries first; then, while the total is over
+        ``max_bytes``, entries of owners without a quota go before anyone's, so one owner's traffic never
+        evicts another's quota'd entries while the quotas (and what is unquota'd) fit the budget.
+        """
+        quota = self.quotas.get(owner) if owner is not None else None
+        limit = self.max_bytes if quota is None else min(quota, self.max_bytes)
+        if nbytes > limit:
             self.counts["rejected"] += 1
             logger.warning(
-                "A %d-byte chunk does not fit in ChunkStore(max_bytes=%d); not stored. "
-                "Raise max_bytes, lower chunk_size or set kv_bits.", nbytes, self.max_bytes
+                "A %d-byte chunk does not fit in %s of %d bytes; not stored. Raise it, lower chunk_size or set kv_bits.",
+                nbytes, "ChunkStore(max_bytes)" if quota is None else "its owner's quota", limit,
             )
             return False
-        while self.nbytes + nbytes > self.max_bytes:
-            victim = ram_victim(self._entries.values(), protected, clock, self.recency_half_life)
-            if victim is None:
+        while quota is not None and self.owner_bytes[owner] + nbytes > quota:
+            own = (e for e in self._entries.values() if e.owner == owner)
+            if not self._evict_one(own, protected, clock, evict):
                 self.counts["rejected"] += 1
                 return False
-            if victim.pinned:
-                self.counts["pinned_evictions"] += 1
-                logger.warning("evicting a pinned chunk: the pinned entries alone exceed max_bytes")
-            self.counts["evictions"] += 1
-            evict(victim.key)
+            self.counts["quota_evictions"] += 1
+        while self.nbytes + nbytes > self.max_bytes:
+            unquotad = [e for e in self._entries.values() if e.owner not in self.quotas]
+            if not (self._evict_one(unquotad, protected, clock, evict)
+                    or self._evict_one(self._entries.values(), protected, clock, evict)):
+                self.counts["rejected"] += 1
+                return False
+        return True
+
+    def _evict_one(self, entries, protected: set[Key], clock: int, evict: Callable[[Key], None]) -> bool:
+        """Evict the best victim among ``entries``; False when there is none."""
+        victim = ram_victim(entries, protected, clock, self.recency_half_life)
+        if victim is None:
+            return False
+        if victim.pinned:
+            self.counts["pinned_evictions"] += 1
+            logger.warning("evicting a pinned chunk: the pinned entries alone exceed the budget")
+        self.counts["evictions"] += 1
+        evict(victim.key)
         return True

@@ -23,12 +23,14 @@ deleted and counted, never loaded. Nothing is pickled.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
@@ -101,6 +103,15 @@ class CircuitBreaker:
             return wait
 
 
+@dataclass
+class _Purge:
+    """A purge queued behind the writes before it (the writer thread runs it)."""
+
+    owner: str | None
+    done: threading.Event = field(default_factory=threading.Event)
+    removed: int | None = None
+
+
 class RemoteTier:
     """Chunk blobs in Redis under ``prefix``; every call is bounded and never raises for Redis trouble."""
 
@@ -147,6 +158,11 @@ class RemoteTier:
             return self._short(parent)
         anchor = xxhash.xxh3_64_hexdigest(json.dumps(list(tokens[: self.anchor_tokens])).encode())
         return f"{self.prefix}:next:{parent.hex()}:{anchor}"
+
+    def _owned(self, owner: str | None) -> str:
+        """The set naming every blob and successor entry written for ``owner`` (what a purge deletes)."""
+        tag = hashlib.blake2b(json.dumps(owner).encode(), digest_size=16).hexdigest()
+        return f"{self.prefix}:owned:{tag}"
 
     def _short(self, parent: Key) -> str:
         """Successors shorter than the anchor (a lone BOS chunk, a short final chunk)."""
@@ -311,6 +327,10 @@ class RemoteTier:
                 if item is None:
                     return
                 nbytes, args = item
+                if isinstance(args, _Purge):
+                    args.removed = self._purge(args.owner)
+                    args.done.set()
+                    continue
                 self._write(*args)
                 with self._pending_lock:
                     self._pending_bytes -= nbytes
@@ -319,18 +339,53 @@ class RemoteTier:
 
     def _write(self, key, parent, token_ids, bits, tensors, metadata) -> None:
         blob = encode_entry(key, tensors, metadata)
+        kv, successors = self._kv(key, bits), self._next(parent, token_ids)
+        owned = self._owned(metadata.get("owner"))
 
         def put():
             pipe = self._client.pipeline(transaction=False)
-            pipe.set(self._kv(key, bits), blob, ex=self.ttl_s)
-            pipe.hset(self._next(parent, token_ids), key.hex(), json.dumps(list(token_ids)))
-            pipe.expire(self._next(parent, token_ids), self.ttl_s)
+            pipe.set(kv, blob, ex=self.ttl_s)
+            pipe.hset(successors, key.hex(), json.dumps(list(token_ids)))
+            pipe.expire(successors, self.ttl_s)
+            pipe.sadd(owned, json.dumps(["kv", kv]), json.dumps(["next", successors, key.hex()]))
+            pipe.expire(owned, self.ttl_s)
             return pipe.execute()
 
         if self._call("write", put) is None:
             self.counts["write_errors"] += 1
         else:
             self.counts["writes"] += 1
+
+    def purge(self, owner: str | None, timeout_s: float = 5.0) -> int | None:
+        """Delete every blob and successor entry written for ``owner``, after the writes queued before this
+        call (queued in this process: they run first, then go); how many blobs went, or None when Redis
+        could not be purged (down, or no answer within ``timeout_s``)."""
+        job = _Purge(owner)
+        self._pending.put_nowait((0, job))
+        if not job.done.wait(timeout_s):
+            return None
+        return job.removed
+
+    def _purge(self, owner: str | None) -> int | None:
+        owned = self._owned(owner)
+        members = self._call("purge", lambda: self._client.smembers(owned))
+        if members is None:
+            return None
+        names = [json.loads(m) for m in members]
+
+        def delete():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                if name[0] == "kv":
+                    pipe.delete(name[1])
+                else:
+                    pipe.hdel(name[1], name[2])
+            pipe.srem(owned, *members)
+            return pipe.execute()
+
+        if names and self._call("purge", delete) is None:
+            return None
+        return sum(1 for name in names if name[0] == "kv")
 
     def forget_successor(self, parent: Key, ids: tuple[int, ...], key: Key) -> None:
         """Drop a successor entry that points nowhere useful (its blob is gone, or it lied about its tokens)."""

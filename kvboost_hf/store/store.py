@@ -10,7 +10,7 @@ import torch
 
 from kvboost_hf.store.codec import ENTRY_OVERHEAD_BYTES, ChunkHit, StoredChunk, encode_chunk
 from kvboost_hf.store.index import ANCHOR_TOKENS, ChainTail
-from kvboost_hf.store.keys import Key, chunk_key, segment_spans
+from kvboost_hf.store.keys import Key, chunk_key, segment_spans, switch_root
 from kvboost_hf.store.quant import default_group_size
 from kvboost_hf.store.settings import StoreSettings
 from kvboost_hf.store.tiered import TieredChunks
@@ -62,6 +62,7 @@ class ChunkStore(TieredChunks):
             remote_ttl_s=remote_ttl_s, remote_timeout_s=remote_timeout_s,
         )
         super().__init__(settings)
+        self._epochs: dict[str | None, int] = {}  # owner -> purges so far
         self._counts = dict.fromkeys(
             ("hits", "misses", "hit_tokens", "lookup_tokens", "content_hit_tokens", "inserted"), 0
         )
@@ -113,50 +114,88 @@ class ChunkStore(TieredChunks):
                 "pick a divisor of head_dim (or leave group_size=None)"
             )
 
-    def stored_prefix_length(self, namespace: Key, token_ids: Sequence[int]) -> int:
-        """Leading tokens of ``token_ids`` the local tiers (RAM, disk) know for ``namespace``: an estimate
-        from the index alone (nothing is loaded or verified, no counter moves), for cost decisions."""
+    def stored_prefix_length(self, namespace: Key, token_ids: Sequence[int], *, shared: Key | None = None) -> int:
+        """Leading tokens of ``token_ids`` the local tiers (RAM, disk) know for ``namespace`` (after the
+        ``shared`` chain's, see :meth:`lookup`): an estimate from the index alone (nothing is loaded or
+        verified, no counter moves), for cost decisions."""
+        ids = tuple(token_ids)
         with self._lock:
-            return sum(used for _, used in self._index.match_path(namespace, tuple(token_ids), self.chunk_size))
+            start, root, partial = self._shared_prefix(shared, namespace, ids)
+            own = sum(used for _, used in self._index.match_path(root, ids, self.chunk_size, start))
+            return start + (own or partial)
 
-    def lookup(self, namespace: Key, token_ids: Sequence[int], max_tokens: int | None = None) -> list[ChunkHit]:
-        """The longest stored prefix of ``token_ids`` (at most ``max_tokens`` tokens), as chunk hits in order."""
+    def lookup(self, namespace: Key, token_ids: Sequence[int], max_tokens: int | None = None, *,
+               shared: Key | None = None) -> list[ChunkHit]:
+        """The longest stored prefix of ``token_ids`` (at most ``max_tokens`` tokens), as chunk hits in order.
+
+        With ``shared`` (the root of entries shared on purpose), the prefix starts with the whole chunks
+        stored under ``shared`` and goes on in ``namespace``'s chain after them (:func:`~.keys.switch_root`).
+        """
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
-        hits: list[ChunkHit] = []
+        ids = tuple(token_ids[:limit])
         with self._lock:
             self._clock += 1
             if self._disk is not None:
                 self._refresh_disk_index()
-            ids, pos, parent = tuple(token_ids[:limit]), 0, namespace
-            chain: set[Key] = set()
             # Remote steps stop after this budget: a slow Redis costs a bounded delay per lookup.
-            remote_deadline = time.monotonic() + max(1.0, 8 * self.settings.remote_timeout_s)
-            while pos < limit:
-                ended = False  # the chain ends inside a chunk: nothing can follow
-                for key, used in self._index.match_path(parent, ids, self.chunk_size, pos):
-                    entry = self._fetch(key, namespace, chain)
-                    if entry is None:
-                        break
-                    hits.append(ChunkHit(entry, pos, used))
-                    chain.add(key)
-                    pos, parent, ended = pos + used, key, used < entry.num_tokens
-                    if ended:
-                        break
-                remote = not ended and pos < limit and time.monotonic() < remote_deadline
-                found = self._remote_step(namespace, parent, ids, pos, chain) if remote else None
-                if found is None:
-                    break
-                entry, used = found
-                hits.append(ChunkHit(entry, pos, used))
-                chain.add(entry.key)
-                pos, parent = pos + used, entry.key
-                if used < entry.num_tokens:
-                    break
+            deadline = time.monotonic() + max(1.0, 8 * self.settings.remote_timeout_s)
+            hits: list[ChunkHit] = []
+            root, partial = namespace, []
+            if shared is not None:
+                hits = self._walk(shared, ids, 0, deadline, set())
+                whole = 0
+                while whole < len(hits) and hits[whole].num_tokens == hits[whole].chunk.num_tokens:
+                    whole += 1
+                hits, partial = hits[:whole], hits[whole:]
+                if hits:
+                    root = switch_root(hits[-1].chunk.key, namespace)
+            start = sum(h.num_tokens for h in hits)
+            hits += self._walk(root, ids, start, deadline, {h.chunk.key for h in hits}) or partial
+            pos = sum(h.num_tokens for h in hits)
             self._mark_used([hit.chunk for hit in hits])
             self._counts["lookup_tokens"] += limit
             self._counts["hit_tokens"] += pos
             self._counts["hits" if pos else "misses"] += 1
         return hits
+
+    def _walk(self, root: Key, ids: tuple[int, ...], pos: int, deadline: float, chain: set[Key]) -> list[ChunkHit]:
+        """Hits of the chain of ``root`` from ``ids[pos]`` on (RAM, disk, then Redis until ``deadline``)."""
+        hits: list[ChunkHit] = []
+        parent, limit = root, len(ids)
+        while pos < limit:
+            ended = False  # the chain ends inside a chunk: nothing can follow
+            for key, used in self._index.match_path(parent, ids, self.chunk_size, pos):
+                entry = self._fetch(key, root, chain)
+                if entry is None:
+                    break
+                hits.append(ChunkHit(entry, pos, used))
+                chain.add(key)
+                pos, parent, ended = pos + used, key, used < entry.num_tokens
+                if ended:
+                    break
+            remote = not ended and pos < limit and time.monotonic() < deadline
+            found = self._remote_step(root, parent, ids, pos, chain) if remote else None
+            if found is None:
+                break
+            entry, used = found
+            hits.append(ChunkHit(entry, pos, used))
+            chain.add(entry.key)
+            pos, parent = pos + used, entry.key
+            if used < entry.num_tokens:
+                break
+        return hits
+
+    def _shared_prefix(self, shared: Key | None, namespace: Key, ids: tuple[int, ...]) -> tuple[int, Key, int]:
+        """``(tokens, root, partial)``: the whole chunks of ``ids`` the index knows under ``shared``, the root
+        ``namespace``'s chain continues from after them, and the tokens of a partly matching next one."""
+        if shared is None:
+            return 0, namespace, 0
+        start, root = 0, namespace
+        for key, used in self._index.match_path(shared, ids, self.chunk_size):
+            if used != len(self._index.get(key).token_ids):
+                return start, root, used
+            start, root = start + used, switch_root(key, namespace)
+        return start, root, 0
 
     def lookup_content(
         self, namespace: Key, token_ids: Sequence[int], start: int, stop: int, min_tokens: int = 16
@@ -198,6 +237,10 @@ class ChunkStore(TieredChunks):
         states: Callable[[int, int], LayerStates],
         pin: bool = False,
         boundaries: Sequence[int] = (),
+        *,
+        shared: Key | None = None,
+        owner: str | None = None,
+        epoch: int | None = None,
     ) -> int:
         """Store every chunk of ``token_ids`` that is not stored yet; returns how many were added.
 
@@ -206,17 +249,25 @@ class ChunkStore(TieredChunks):
 
         ``states(start, end)`` returns the per-layer dense K/V of tokens ``[start, end)``; it is
         only called for missing chunks, and the store keeps (and owns) what it returns.
-        ``pin=True`` marks the whole sequence as evicted last.
+        ``pin=True`` marks the whole sequence as evicted last. With ``shared`` (see :meth:`lookup`),
+        only what follows the stored shared chunks is stored, in ``namespace``'s chain after them.
+        New chunks are charged to ``owner`` (its quota: :meth:`set_quota`); given the owner's
+        :meth:`epoch` when the request began, nothing is stored if the owner was purged since.
         """
         added = 0
         token_ids = tuple(token_ids)
         if self.read_only:
             return 0
         with self._lock:
+            if epoch is not None and epoch != self._epochs.get(owner, 0):
+                return 0  # purged while the request ran: what it confirmed is forgotten too
             self._clock += 1
-            parent = namespace
+            begin, root, _ = self._shared_prefix(shared, namespace, token_ids)
+            parent = root
             chain: set[Key] = set()
-            for start, end in segment_spans(len(token_ids), self.chunk_size, boundaries):
+            for start, end in segment_spans(len(token_ids), self.chunk_size, [*boundaries, begin]):
+                if start < begin:
+                    continue
                 toks = token_ids[start:end]
                 key = chunk_key(parent, toks)
                 entry = self._ram.get(key)
@@ -226,8 +277,8 @@ class ChunkStore(TieredChunks):
                     keys, values = states(start, end)
                     group = self.group_size or default_group_size(keys[0].shape[-1])
                     fields = encode_chunk(keys, values, self.kv_bits, group, self.sink_tokens - start)
-                    entry = StoredChunk(key, parent, namespace, start, toks, pinned=pin, **fields)
-                    if not self._make_room(entry.nbytes, protected=chain):
+                    entry = StoredChunk(key, parent, root, start, toks, pinned=pin, owner=owner, **fields)
+                    if not self._make_room(entry.nbytes, protected=chain, owner=owner):
                         break
                     self._add(entry)
                     added += 1
@@ -239,6 +290,52 @@ class ChunkStore(TieredChunks):
                 chain.add(key)
                 parent = key
         return added
+
+    # ------------------------------------------------------------------ owners
+    def set_quota(self, owner: str, max_bytes: int | None) -> None:
+        """Cap ``owner``'s entries at ``max_bytes`` in RAM and on disk (None: no cap). Going over evicts that
+        owner's own entries; over the store's budget, owners without a quota are evicted first."""
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"owner must be a non-empty string, got {owner!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1):
+            raise ValueError(f"a quota must be a positive number of bytes or None, got {max_bytes!r}")
+        with self._lock:
+            for tier in (self._ram, self._disk):
+                if tier is None:
+                    continue
+                if max_bytes is None:
+                    tier.quotas.pop(owner, None)
+                else:
+                    tier.quotas[owner] = max_bytes
+
+    def quotas(self) -> dict[str, int]:
+        """Owner -> quota in bytes, for every owner with one."""
+        with self._lock:
+            return dict(self._ram.quotas)
+
+    def owner_bytes(self) -> dict[str | None, int]:
+        """Bytes of RAM entries per owner (None: entries charged to nobody)."""
+        with self._lock:
+            return {owner: n for owner, n in self._ram.owner_bytes.items() if n > 0}
+
+    def epoch(self, owner: str | None) -> int:
+        """How many times ``owner`` was purged: pass it to :meth:`insert` to drop what a purge overtook."""
+        with self._lock:
+            return self._epochs.get(owner, 0)
+
+    def purge(self, owner: str | None, timeout_s: float = 5.0) -> dict[str, int | None]:
+        """Forget every entry charged to ``owner`` in every tier (Redis and its queued writes included);
+        inserts of requests that began before are dropped too (:meth:`epoch`). Returns how many entries
+        went from RAM, disk and Redis (``remote`` None when Redis could not be purged: down, or no
+        answer in ``timeout_s``; without a remote tier it is 0)."""
+        with self._lock:
+            self._epochs[owner] = self._epochs.get(owner, 0) + 1
+            ram = [e.key for e in self._ram.entries() if e.owner == owner]
+            disk = self._disk.owned(owner) if self._disk is not None else []
+            for key in [*ram, *disk]:
+                self._forget(key)
+        remote = self._remote.purge(owner, timeout_s) if self._remote is not None else 0
+        return {"ram": len(ram), "disk": len(disk), "remote": remote}
 
     def __repr__(self) -> str:
         return (

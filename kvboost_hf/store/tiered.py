@@ -106,7 +106,7 @@ class TieredChunks:
         if entry is None or entry.parent != parent or used == 0 or not self.accepts(entry.bits):
             self._remote.forget_successor(parent, rest, best)
             return None
-        if best not in self._ram and self._make_room(entry.nbytes, protected):
+        if best not in self._ram and self._make_room(entry.nbytes, protected, entry.owner):
             self._add_ram(entry)
             self._persist_to(self._disk, entry)  # a restarted process finds it locally; its chain stays whole on disk
         return self._ram.get(best, entry), used
@@ -138,7 +138,7 @@ class TieredChunks:
             # Replaced since it was indexed by a less precise entry (another store's): not for us.
             self._forget(key, delete_files=False)
             return None
-        if self._make_room(entry.nbytes, protected):
+        if self._make_room(entry.nbytes, protected, entry.owner):
             self._add_ram(entry)
         return entry
 
@@ -174,8 +174,8 @@ class TieredChunks:
         self._index.add(entry.key, IndexEntry(entry.parent, entry.namespace, entry.token_ids, entry.bits))
         self._ram.write(entry)
 
-    def _make_room(self, nbytes: int, protected: set[Key]) -> bool:
-        return self._ram.make_room(nbytes, protected, self._clock, self._evict_ram)
+    def _make_room(self, nbytes: int, protected: set[Key], owner: str | None = None) -> bool:
+        return self._ram.make_room(nbytes, protected, self._clock, self._evict_ram, owner)
 
     def _evict_ram(self, key: Key) -> None:
         self._ram.remove(key)

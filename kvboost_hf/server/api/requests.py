@@ -46,6 +46,10 @@ class ParamError(ValueError):
         self.param = param
 
 
+# A salt is 1-256 printable characters (no control characters: those name the server's own shared entries).
+SALT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -54,7 +58,7 @@ class SamplingRequest(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     # Requests with different salts never share stored K/V (as vLLM's cache_salt); the same salt shares.
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, pattern=SALT_PATTERN)
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -294,7 +298,8 @@ class WarmRequest(BaseModel):
     text: str | None = None
     messages: list[ChatMessage] | None = None
     pin: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # only requests with it find these
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, pattern=SALT_PATTERN)  # only requests with it find these
+    shared: bool = False  # an admin key only (--api-keys): entries every tenant reads as a leading prefix
 
     @model_validator(mode="after")
     def _one_of(self) -> WarmRequest:
@@ -304,6 +309,8 @@ class WarmRequest(BaseModel):
             raise ValueError("text is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        if self.shared and self.cache_salt is not None:
+            raise ValueError("shared entries are read by every tenant: send no cache_salt with shared")
         return self
 
 

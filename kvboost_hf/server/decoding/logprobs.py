@@ -21,7 +21,7 @@ from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.planner.memory import SCORE_ROWS, SCORE_SLICES
 from kvboost_hf.reuse import commit_request, reuse_state
-from kvboost_hf.store.keys import salted
+from kvboost_hf.store.scope import CacheScope
 from kvboost_hf.store.logprobs import attach_logprobs, stored_logprobs
 
 
@@ -63,7 +63,7 @@ class PromptLogprobs(list):
 
 
 def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
-                    slice_tokens: int = PROMPT_SLICE_TOKENS, cache_salt: str | None = None) -> PromptLogprobs:
+                    slice_tokens: int = PROMPT_SLICE_TOKENS, scope: CacheScope | None = None) -> PromptLogprobs:
     """Logprobs of every prompt token given the ones before it (the first has none).
 
     With ``store`` (reuse enabled on ``model``, lossless storage) and ``top`` 0, tokens whose
@@ -74,25 +74,27 @@ def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
     """
     first = TokenLogprob(prompt_ids[0], None)
     state = reuse_state(model) if store is not None else None
-    ns = _namespace_or_none(model, cache_salt) if state is not None else None
+    scope = scope or CacheScope()
+    ns = _namespace_or_none(model, scope) if state is not None else None
+    shared = scope.shared_root(namespace(model)) if ns is not None else None
     if top > 0 or ns is None or store.kv_bits is not None:
         entries = [first, *_score(model, prompt_ids, 1, top, DynamicCache(config=model.config), slice_tokens)]
         if ns is not None:
-            attach_logprobs(store, ns, prompt_ids, [e.logprob for e in entries])
+            attach_logprobs(store, ns, prompt_ids, [e.logprob for e in entries], shared=shared)
         return PromptLogprobs(entries)
-    known = stored_logprobs(store, ns, prompt_ids)
+    known = stored_logprobs(store, ns, prompt_ids, shared=shared)
     covered = max(len(known), 1)
     cached = len(prompt_ids)  # all of them when the store holds every logprob: nothing is forwarded
     if covered < len(prompt_ids):
-        fresh, cached = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens, cache_salt)
+        fresh, cached = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens, scope)
         known = [first.logprob, *known[1:covered]] + [e.logprob for e in fresh]
-        attach_logprobs(store, ns, prompt_ids, known)
+        attach_logprobs(store, ns, prompt_ids, known, shared=shared)
     return PromptLogprobs([TokenLogprob(t, None if i == 0 else known[i]) for i, t in enumerate(prompt_ids)], cached)
 
 
-def _namespace_or_none(model, salt: str | None = None):
+def _namespace_or_none(model, scope: CacheScope):
     try:
-        return salted(namespace(model), salt)
+        return scope.root(namespace(model))
     except UnfingerprintableModel:
         return None
 
@@ -134,12 +136,12 @@ def _score(model, prompt_ids: list[int], covered: int, top: int, cache, slice_to
 
 
 def _score_on_stored_prefix(model, state, store, prompt_ids: list[int], covered: int,
-                            slice_tokens: int, salt: str | None = None) -> tuple[list[TokenLogprob], int]:
+                            slice_tokens: int, scope: CacheScope | None = None) -> tuple[list[TokenLogprob], int]:
     """Logprobs of tokens ``covered...`` on the prefix K/V the store holds (exact hits only, else
     from scratch), and how many prompt tokens were not forwarded; the prompt's K/V are stored
     afterwards, as generate would."""
     cache = ChunkReuseCache(model.config, store)
-    cache.salt = salt
+    cache.scope = scope
     with torch.no_grad():
         out = _score(model, prompt_ids, covered, 0, cache, slice_tokens)
         stats = cache.stats

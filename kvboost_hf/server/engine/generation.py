@@ -24,6 +24,7 @@ from kvboost_hf.generation import is_chunk_reuse_enabled
 from kvboost_hf.server.decoding.logprobs import TokenLogprob, logprobs_at
 from kvboost_hf.server.decoding.processors import sampling_processors
 from kvboost_hf.server.decoding.stop_strings import StopStrings
+from kvboost_hf.store.scope import CacheScope
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and the top k
-    cache_salt: str | None = None  # entries stored and found only under this salt
+    cache_scope: CacheScope | None = None  # whose entries it reads and feeds (tenant, cache_salt)
     # Builds this call's logits processors (grammar, logit_bias, penalties) from the prompt length:
     # a fresh list per generate call (a grammar matcher is single-use).
     processors: Callable[[int], list] | None = None
@@ -243,7 +244,7 @@ def generate_reply(
     elif store is not None and is_chunk_reuse_enabled(model):
         cache = ChunkReuseCache(model.config, store)
         kwargs["past_key_values"] = cache
-        kwargs["cache_salt"] = params.cache_salt
+        kwargs["cache_salt"] = params.cache_scope
     sampled = params.temperature > 0
     with _SAMPLING_LOCK if sampled else contextlib.nullcontext():
         if sampled and params.seed is not None:  # greedy requests never touch the global RNG

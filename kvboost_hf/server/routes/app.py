@@ -1,9 +1,10 @@
 """The OpenAI-compatible FastAPI app: ``create_app(model, tokenizer, store, settings)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``GET /v1/models``, ``POST /v1/warm``, ``GET /v1/stats``, ``GET /health``, ``GET /metrics``, and
-vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``. The ``/v1`` and tokenizer
-routes take the API key (when one is set) and a bounded request body (413 past ``max_body_bytes``).
+``GET /v1/models``, ``POST /v1/warm``, ``GET /v1/stats``, ``DELETE /v1/cache``, ``GET /health``,
+``GET /metrics``, and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``. The
+``/v1`` and tokenizer routes take the API key (when one is set, or one of ``--api-keys``: tenants,
+:mod:`.tenancy`) and a bounded request body (413 past ``max_body_bytes``).
 Every request is checked (parameters, prompt length) before it is queued; generation runs as
 rows of the continuous batch (:class:`~kvboost_hf.server.scheduling.batch.BatchingQueue`, the CLI's
 default) or on the worker threads of :class:`~kvboost_hf.server.scheduling.workers.GenerationQueue`
@@ -21,14 +22,17 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 from kvboost_hf.generation import disable_chunk_reuse, enable_chunk_reuse
 from kvboost_hf.server.api import requests as schemas
 from kvboost_hf.server.api.errors import APIError, install_error_handlers
+from kvboost_hf.server.api.keys import KeyRing
 from kvboost_hf.server.observability.metrics import ServerMetrics
 from kvboost_hf.server.observability.store_metrics import RemoteStoreCollector
 from kvboost_hf.server.observability.streaming_metrics import StreamingCollector, streaming_snapshot
 from kvboost_hf.server.routes.service import Service, context_length
+from kvboost_hf.server.routes.tenancy import Tenancy
 from kvboost_hf.server.routes.tokenize import install_tokenizer_routes
 from kvboost_hf.server.scheduling.admission import MemoryCollector
 from kvboost_hf.server.scheduling.select import make_queue
@@ -54,13 +58,15 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         enable_chunk_reuse(model, store, recompute_strategy=strategy, tokenizer=tokenizer)
     else:
         disable_chunk_reuse(model)
+    keyring = KeyRing(settings.api_keys_file) if settings.api_keys_file is not None else None  # KeyFileError
     metrics = ServerMetrics(store_bytes=lambda: store.nbytes, queue_depth=lambda: queue.depth)
+    tenancy = Tenancy(keyring, store, metrics.registry)
     queue = make_queue(settings, model, tokenizer, store, metrics.registry, lambda: service.admission)
     if streaming_snapshot(model) is not None:  # AWQ layer streaming: its counters on /metrics too
         metrics.registry.register(StreamingCollector(model))
     if store.stats().get("remote") is not None:  # a shared Redis tier: its counters on /metrics too
         metrics.registry.register(RemoteStoreCollector(store))
-    service = Service(model, tokenizer, store, settings, queue, metrics)
+    service = Service(model, tokenizer, store, settings, queue, metrics, tenancy)
     if service.admission is not None:
         metrics.registry.register(MemoryCollector(lambda: service.admission))
 
@@ -85,8 +91,10 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
     app.state.settings = settings
     app.state.store = store
     app.state.service = service
+    app.state.tenancy = tenancy  # tenancy.reload(): re-read --api-keys (the CLI calls it on SIGHUP)
     install_error_handlers(app)
-    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics, max_body_bytes=settings.max_body_bytes,
+                       keyring=keyring)
 
     @app.get("/health")
     async def health() -> dict:
@@ -106,8 +114,12 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         return service.model_card()
 
     @app.get("/v1/stats")
-    async def stats() -> dict:
-        return service.stats()
+    async def stats(request: Request) -> dict:
+        return tenancy.stats(tenancy.grant(request), service.stats)
+
+    @app.delete("/v1/cache")
+    async def purge_cache(request: Request, tenant: str | None = None) -> dict:
+        return await run_in_threadpool(tenancy.purge, tenancy.grant(request), tenant)
 
     @app.post("/v1/warm")
     async def warm_store(body: schemas.WarmRequest, request: Request) -> dict:
@@ -147,8 +159,10 @@ class _AuthAndCount:
     """ASGI middleware: Bearer auth (when a key is set) and the body-size limit on guarded routes
     (``/v1`` and the tokenizer routes), and request counting."""
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, max_body_bytes: int | None = None) -> None:
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, max_body_bytes: int | None = None,
+                 keyring: KeyRing | None = None) -> None:
         self.app, self.api_key, self.metrics, self.max_body_bytes = app, api_key, metrics, max_body_bytes
+        self.keyring = keyring
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -175,17 +189,26 @@ class _AuthAndCount:
             self.metrics.observe_request(label, code)
 
     def _auth_error(self, scope) -> APIError | None:
-        if self.api_key is None or not guarded(scope["path"]):
+        if (self.api_key is None and self.keyring is None) or not guarded(scope["path"]):
             return None
         headers = dict(scope.get("headers") or [])
         value = headers.get(b"authorization", b"").decode("latin-1").strip()
         scheme, _, token = value.partition(" ")
+        token = token.strip()
         if not value:
             message = "missing API key: send 'Authorization: Bearer <key>'"
-        elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        elif scheme.lower() != "bearer":
             message = "incorrect API key provided"
-        else:
+        elif self.keyring is not None:
+            grant = self.keyring.grant_for(token)
+            if grant is not None:
+                scope.setdefault("state", {})["grant"] = grant  # request.state.grant
+                return None
+            message = "incorrect API key provided"
+        elif hmac.compare_digest(token.encode(), self.api_key.encode()):
             return None
+        else:
+            message = "incorrect API key provided"
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _bounded_body(self, scope, receive):

@@ -30,6 +30,7 @@ from kvboost_hf.server.observability.streaming_metrics import streaming_snapshot
 from kvboost_hf.server.routes.choices import ChunkWriter, chat_choice, completion_choice, usage_of
 from kvboost_hf.server.routes.prompts import chat_prompt_ids, completion_prompt_ids
 from kvboost_hf.server.routes.sse import sse_events
+from kvboost_hf.server.routes.tenancy import Tenancy
 from kvboost_hf.server.routes.warming import warm_request
 from kvboost_hf.server.scheduling.admission import Admitted, Ask, MemoryAdmission, plan_headers
 from kvboost_hf.server.scheduling.candidates import (
@@ -43,6 +44,7 @@ from kvboost_hf.server.scheduling.candidates import (
 )
 from kvboost_hf.server.scheduling.workers import Job, QueueFullError
 from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.store.scope import CacheScope
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +64,9 @@ class Service:
     """The request handling behind the routes (validation, queueing, waiting, response shapes)."""
 
     def __init__(self, model, tokenizer, store, settings: ServerSettings, queue,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, tenancy: Tenancy) -> None:
         self.model, self.tokenizer, self.store = model, tokenizer, store
-        self.settings, self.queue, self.metrics = settings, queue, metrics
+        self.settings, self.queue, self.metrics, self.tenancy = settings, queue, metrics, tenancy
         self.context = context_length(model)
         self.eos_ids = stop_token_ids(model, tokenizer)
         self.bos = BosCheck(tokenizer)
@@ -120,7 +122,8 @@ class Service:
                 param="messages/prompt", code="context_length_exceeded",
             )
 
-    def sampling(self, body: schemas.SamplingRequest, prompt_tokens: int, default_max: int) -> SamplingParams:
+    def sampling(self, body: schemas.SamplingRequest, prompt_tokens: int, default_max: int,
+                 scope: CacheScope | None = None) -> SamplingParams:
         room = None if self.context is None else self.context - prompt_tokens
         max_tokens = body.max_tokens
         if max_tokens is None:
@@ -135,7 +138,7 @@ class Service:
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=body.stop,
-                              seed=body.seed, ignore_eos=body.ignore_eos, cache_salt=body.cache_salt)
+                              seed=body.seed, ignore_eos=body.ignore_eos, cache_scope=scope)
 
     def retry_after(self) -> str:
         mean = self.metrics.snapshot()["latency"]["mean_s"] or 1.0
@@ -183,6 +186,7 @@ class Service:
     # ------------------------------------------------------------------ endpoints
     async def completion(self, body: schemas.CompletionRequest, request: Request):
         self.check_model_name(body.model)
+        scope = self.tenancy.scope(self.tenancy.grant(request), body.cache_salt)
         plans, echoes = [], []
         echo_logprobs = body.echo and body.logprobs is not None
         candidates = body.best_of or body.n
@@ -190,7 +194,7 @@ class Service:
         for prompt in body.prompt:
             prompt_ids = await self.completion_prompt(prompt)
             self.check_prompt_length(len(prompt_ids))
-            params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+            params = self.sampling(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS, scope)
             asks.append(Ask(prompt_ids, max(params.max_tokens, 1), candidates, echo_logprobs))
         warning = self.bos.warning([ask.prompt_ids for ask in asks])  # the ids stay as sent; the header says why not
         admitted = await self.admit(asks, request)  # all prompts together: none holds memory while another waits
@@ -201,7 +205,7 @@ class Service:
                     same = got.truncated_from is None and isinstance(prompt, str)
                     echoes.append(prompt if same else self.tokenizer.decode(got.prompt_ids))
             longest = max(len(p.prompt_ids) for p in plans)
-            params = self.sampling(body, longest, COMPLETIONS_DEFAULT_MAX_TOKENS)
+            params = self.sampling(body, longest, COMPLETIONS_DEFAULT_MAX_TOKENS, scope)
             params.processors = await self.processors(body, None, "prompt")
         except BaseException:
             for got in admitted:
@@ -217,7 +221,8 @@ class Service:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         prompt_ids = await self.chat_prompt(body.messages, tools=tools or None)
         self.check_prompt_length(len(prompt_ids))
-        params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens)
+        params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens,
+                               self.tenancy.scope(self.tenancy.grant(request), body.cache_salt))
         forced, name = body.forced_tool
         param = "tools" if forced else "response_format"
         try:
@@ -242,7 +247,7 @@ class Service:
         return sse_events(self, *args)
 
     async def warm(self, body: schemas.WarmRequest, request: Request) -> dict:
-        return await warm_request(self, body)
+        return await warm_request(self, body, self.tenancy.grant(request))
 
 
     async def admit(self, asks: list[Ask], request: Request | None = None) -> list[Admitted]:
@@ -306,7 +311,7 @@ class Service:
                 admission = self.admission
                 with admission.running(admitted, scoring=True) if admission else contextlib.nullcontext():
                     return prompt_logprobs(self.model, ids, top, store, slice_tokens=slice_tokens,
-                                           cache_salt=params.cache_salt)
+                                           scope=params.cache_scope)
 
             return run_choices(plans, one, job.cancelled.is_set, score if echo_logprobs else None)
 
@@ -330,8 +335,10 @@ class Service:
                     return self._early_end(job, kind, value)
                 writer = ChunkWriter(response_id, schemas.now(), self.settings.model_name, chat,
                                      bool(body.stream_options and body.stream_options.include_usage))
+                grant = self.tenancy.grant(request)
                 return StreamingResponse(
-                    self.sse(job, route, arrival, deadline, writer, plans, params, tools, echoes),
+                    self.sse(job, route, arrival, deadline, writer, plans, params, tools, echoes,
+                             lambda: self.tenancy.still_allowed(grant)),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
                 )
@@ -345,8 +352,9 @@ class Service:
             job.cancel()
             raise self.timeout_error() from None
         choices: list[Choice] = value
+        self.tenancy.check_still_allowed(self.tenancy.grant(request))  # a key removed meanwhile gets nothing
         for choice in choices:
-            self._record(route, arrival, choice.reply)
+            self._record(route, arrival, choice.reply, params)
         usage = usage_of(plans, choices)
         want_logprobs = params.logprobs is not None and (chat or body.logprobs is not None)
         if chat:
@@ -372,7 +380,7 @@ class Service:
         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
                                        "code": "cancelled"}}, status_code=499)
 
-    def _record(self, route: str, arrival: float, reply: Reply) -> None:
+    def _record(self, route: str, arrival: float, reply: Reply, params: SamplingParams) -> None:
         if reply.finish_reason is None:
             self.metrics.observe_outcome("cancelled")
             return
@@ -380,3 +388,4 @@ class Service:
         ttft = None if reply.first_token_at is None else reply.first_token_at - arrival
         self.metrics.observe_generation(route, ttft, time.perf_counter() - arrival, reply.prompt_tokens,
                                         reply.cached_tokens, reply.completion_tokens)
+        self.tenancy.record(params.cache_scope, reply.prompt_tokens, reply.cached_tokens, reply.completion_tokens)

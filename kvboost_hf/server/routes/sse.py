@@ -8,7 +8,7 @@ turn out to be a tool call is held back and sent at the end, as ``content`` or a
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvboost_hf.server.decoding.logprobs import chat_logprobs, completion_logprobs
 from kvboost_hf.server.engine.generation import SamplingParams
@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 async def sse_events(service, job: Job, route: str, arrival: float, deadline: float, writer: ChunkWriter,
                      plans: list[PromptPlan], params: SamplingParams, tools: list[dict] | None,
-                     echoes: list[str] | None) -> AsyncIterator[str]:
-    """The lines of one streamed response; cancels the job when the client leaves before the end."""
+                     echoes: list[str] | None, still_allowed: Callable[[], bool] = lambda: True) -> AsyncIterator[str]:
+    """The lines of one streamed response; cancels the job when the client leaves before the end, or when
+    ``still_allowed()`` turns false (its API key was revoked): then an error event ends the stream."""
     chat = writer.chat
     indices = [number * plan.keep + k for number, plan in enumerate(plans) for k in range(plan.keep)]
     finished = False
@@ -40,12 +41,18 @@ async def sse_events(service, job: Job, route: str, arrival: float, deadline: fl
                 error = service.timeout_error()
                 yield data(error.body())
                 break
+            if not still_allowed():
+                job.cancel()
+                service.metrics.observe_outcome("cancelled")
+                yield data({"error": {"message": "the API key was revoked while the request ran",
+                                      "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}})
+                break
             if kind == "delta":
                 index, piece = value
                 yield writer.chat_delta(index, {"content": piece}) if chat else writer.text(index, piece)
             elif kind == "done":
                 for choice in value:
-                    service._record(route, arrival, choice.reply)
+                    service._record(route, arrival, choice.reply, params)
                     echo = echoes[choice.index // choice.plan.keep] if echoes else None
                     for line in closing_chunks(service.tokenizer, writer, choice, params, tools, echo):
                         yield line

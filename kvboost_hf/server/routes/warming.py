@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvboost_hf.generation.warm import continuation_probes, probe_texts, reusable_tokens, shared_prefix, warm
 from kvboost_hf.server.api import requests as schemas
+from kvboost_hf.server.api.keys import Grant
 from kvboost_hf.server.api.errors import APIError
 from kvboost_hf.server.scheduling.workers import Job
 
@@ -37,15 +38,18 @@ async def chat_warm_prefix(service, messages: list[schemas.ChatMessage]) -> list
     return prefix
 
 
-async def warm_request(service, body: schemas.WarmRequest) -> dict[str, Any]:
+async def warm_request(service, body: schemas.WarmRequest, grant: Grant | None = None) -> dict[str, Any]:
     """Warm ``body``'s text or chat prefix on a worker; the answer says what later prompts will reuse.
 
     ``prompt_tokens``: the tokens warmed (for messages, the shared chat prefix); ``reusable_tokens``:
     how many of them the store now holds for a later prompt that continues them (a chat whose whole
-    prompt is the prefix reuses one fewer: the model forwards at least one token).
+    prompt is the prefix reuses one fewer: the model forwards at least one token). With ``shared`` (an
+    admin key), the entries are read by every tenant (see :mod:`.tenancy`).
     """
     if not service.settings.reuse:
         raise APIError(400, "reuse is off on this server: warming would have no effect", code="reuse_disabled")
+    tenancy = service.tenancy
+    scope = tenancy.shared_scope(grant) if body.shared else tenancy.scope(grant, body.cache_salt)
     if body.text is not None:
         ids = list((await run_in_threadpool(service.tokenizer, body.text))["input_ids"])
     else:
@@ -54,8 +58,8 @@ async def warm_request(service, body: schemas.WarmRequest) -> dict[str, Any]:
     arrival = time.perf_counter()
 
     def work(job: Job) -> tuple[Any, int]:
-        stats = warm(service.model, ids, service.store, pin=body.pin, cache_salt=body.cache_salt)
-        return stats, reusable_tokens(service.model, ids, service.store, cache_salt=body.cache_salt)
+        stats = warm(service.model, ids, service.store, pin=body.pin, cache_salt=scope)
+        return stats, reusable_tokens(service.model, ids, service.store, cache_salt=scope)
 
     job = Job(work)
     service.submit(job)
@@ -71,5 +75,8 @@ async def warm_request(service, body: schemas.WarmRequest) -> dict[str, Any]:
         job.cancel()
         raise service.timeout_error() from None
     stats, reusable = value
+    tenancy.check_still_allowed(grant)
+    if body.shared:
+        tenancy.note_shared(grant, len(ids), reusable, service.tokenizer.decode(ids[:64], skip_special_tokens=True))
     return schemas.WarmResponse(prompt_tokens=len(ids), reusable_tokens=reusable, reused_tokens=stats.reused_tokens,
                                 stored_chunks=stats.stored_chunks, seconds=time.perf_counter() - arrival).model_dump()

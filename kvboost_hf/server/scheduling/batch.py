@@ -177,7 +177,7 @@ class BatchingQueue:
         prompt = nxt.prompt_ids
         # Only prefills under the same cache_salt can serve it: waiting on another salt's would show in
         # its TTFT that someone is sending this prefix (and would save nothing).
-        same_salt = [seq for seq in prefilling if seq.salt == nxt.params.cache_salt]
+        same_salt = [seq for seq in prefilling if seq.scope == nxt.params.cache_scope]
         if not same_salt or not waits_for_prefill(prompt, self.runner.in_flight(same_salt),
                                                   self.runner.store.chunk_size):
             return False

@@ -56,7 +56,7 @@ class BatchRow:
                                processors=processors)
         self.seq = Sequence(request.prompt_ids, params.max_tokens, sampling, eos_ids, self.text, params.ignore_eos,
                             logprobs=params.logprobs)
-        self.seq.salt = params.cache_salt
+        self.seq.scope = params.cache_scope
         self.resources = contextlib.ExitStack()
 
     @property
