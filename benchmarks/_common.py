@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import platform
 import statistics
 from pathlib import Path
@@ -81,3 +82,26 @@ def started_continuous_batching(model, config, block_sharing: bool, warm_prompt:
         if time.perf_counter() > deadline:
             raise RuntimeError("continuous batching warm-up did not finish in 300 s")
     return manager
+
+
+def rank_sum_p(x: list[float], y: list[float]) -> float:
+    """Two-sided p-value of the Mann-Whitney U test that ``x`` and ``y`` come from one distribution
+    (normal approximation with tie correction; fine from about 8 samples each)."""
+    n1, n2 = len(x), len(y)
+    pooled = sorted([(v, 0) for v in x] + [(v, 1) for v in y])
+    ranks, ties, i = [0.0] * len(pooled), 0.0, 0
+    while i < len(pooled):
+        j = i
+        while j + 1 < len(pooled) and pooled[j + 1][0] == pooled[i][0]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[k] = (i + j) / 2 + 1
+        ties += (j - i + 1) ** 3 - (j - i + 1)
+        i = j + 1
+    u = sum(r for r, (_, group) in zip(ranks, pooled) if group == 0) - n1 * (n1 + 1) / 2
+    n = n1 + n2
+    sigma = math.sqrt(n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1))))
+    if sigma == 0:
+        return 1.0
+    z = (abs(u - n1 * n2 / 2) - 0.5) / sigma
+    return math.erfc(max(z, 0.0) / math.sqrt(2))

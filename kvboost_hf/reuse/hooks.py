@@ -105,7 +105,8 @@ def start_request(module: torch.nn.Module, state: ReuseState, cache: ChunkReuseC
         return
     scope = cache.scope or CacheScope()
     request.namespace, request.shared = scope.root(model_namespace), scope.shared_root(model_namespace)
-    request.owner, request.epoch = scope.owner, cache.store.epoch(scope.owner)
+    request.owner = scope.owner
+    request.epoch = scope.epoch if scope.epoch is not None else cache.store.epoch(scope.owner)
     if input_ids.shape[0] > 1:
         request.commit_limit = cache.num_tokens + prompt_len
     reused = exact = 0

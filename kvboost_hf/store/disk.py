@@ -123,7 +123,8 @@ class DiskTier:
 
     def _make_room(self, nbytes: int, keep: set[Key], owner: str | None = None) -> bool:
         """Delete files until ``nbytes`` more of ``owner``'s fit: within the owner's own files first when
-        it has a quota, then (over ``max_bytes``) files of owners without a quota before anyone's."""
+        it has a quota, then (over ``max_bytes``) files of owners without a quota; another quota'd owner's
+        only for an owner with a quota (quotas that add up to more than the budget)."""
         self._reclaim_temp_files()
         records = self.records(self.keys())
         quota = self.quotas.get(owner) if owner is not None else None
@@ -137,7 +138,7 @@ class DiskTier:
         if need <= 0:
             return True
         unquotad = [r for r in records if r.owner not in self.quotas]
-        return self._evict(unquotad, need, keep) or self._evict(records, need, keep)
+        return self._evict(unquotad, need, keep) or (quota is not None and self._evict(records, need, keep))
 
     def _evict(self, records: list[DiskRecord], need: int, keep: set[Key]) -> bool:
         """Delete files among ``records`` freeing ``need`` bytes (chain-aware, :mod:`.eviction`); False,

@@ -84,8 +84,9 @@ class RamTier:
         needed) when they cannot fit.
 
         An owner with a quota makes room within its own entries first; then, while the total is over
-        ``max_bytes``, entries of owners without a quota go before anyone's, so one owner's traffic never
-        evicts another's quota'd entries while the quotas (and what is unquota'd) fit the budget.
+        ``max_bytes``, entries of owners without a quota go first. Entries of owners with a quota are only
+        evicted for another owner with a quota, once the quotas add up to more than the budget: so one
+        owner's traffic never evicts another's quota'd entries while the quotas fit the budget.
         """
         quota = self.quotas.get(owner) if owner is not None else None
         limit = self.max_bytes if quota is None else min(quota, self.max_bytes)
@@ -105,7 +106,7 @@ class RamTier:
         while self.nbytes + nbytes > self.max_bytes:
             unquotad = [e for e in self._entries.values() if e.owner not in self.quotas]
             if not (self._evict_one(unquotad, protected, clock, evict)
-                    or self._evict_one(self._entries.values(), protected, clock, evict)):
+                    or quota is not None and self._evict_one(self._entries.values(), protected, clock, evict)):
                 self.counts["rejected"] += 1
                 return False
         return True

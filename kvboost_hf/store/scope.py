@@ -19,11 +19,14 @@ from kvboost_hf.store.keys import Key, owned, salted
 @dataclass(frozen=True)
 class CacheScope:
     """The salt a request's chains are rooted at, the owner its new entries are charged to, and the
-    salt of shared entries it may start from (None: none of each)."""
+    salt of shared entries it may start from (None: none of each). ``epoch``: the owner's
+    :meth:`~kvboost_hf.store.ChunkStore.epoch` when the request arrived (None: when its forward
+    starts), so a purge after that drops what it stores."""
 
     salt: str | None = None
     owner: str | None = None
     shared_salt: str | None = None
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("salt", "owner", "shared_salt"):
@@ -34,6 +37,8 @@ class CacheScope:
                 raise TypeError(f"CacheScope.{name} must be a string or None, got {type(value).__name__}")
             if not value:
                 raise ValueError(f"CacheScope.{name} must not be empty: pass None for none")
+        if self.epoch is not None and (type(self.epoch) is not int or self.epoch < 0):
+            raise ValueError(f"CacheScope.epoch must be a non-negative int or None, got {self.epoch!r}")
         if self.shared_salt is not None and self.shared_salt == self.salt:
             raise ValueError("CacheScope.shared_salt equals its salt: leave shared_salt None to read and write one chain")
 

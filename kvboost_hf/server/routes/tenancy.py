@@ -89,7 +89,8 @@ class Tenancy:
         """Whose entries a request of ``grant`` with ``cache_salt`` reads and feeds."""
         if grant is None:
             return None if cache_salt is None else CacheScope(salt=cache_salt)
-        return CacheScope(salt=cache_salt, owner=grant.tenant.name, shared_salt=SHARED_SALT)
+        owner = grant.tenant.name  # a purge from now on also drops what this request stores
+        return CacheScope(salt=cache_salt, owner=owner, shared_salt=SHARED_SALT, epoch=self.store.epoch(owner))
 
     def shared_scope(self, grant: Grant | None) -> CacheScope:
         """The scope of a ``"shared": true`` warm: 400 without tenants, 403 for a non-admin key."""
