@@ -216,7 +216,7 @@ def check_memory_limit(limit: int | None, when: str) -> None:
 def build_store(args: argparse.Namespace):
     """The ChunkStore the flags describe; only flags the user set are passed. Raises ServeError."""
     from kvboost_hf.store import ChunkStore
-    from kvboost_hf.store.remote import redact
+    from kvboost_hf.store.remote_guard import redact
 
     try:
         max_bytes = size_flag("--max-cache-bytes", args.max_cache_bytes, bare_unit="B")

@@ -19,6 +19,7 @@ from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.reuse import commit_request, reuse_state
 from kvboost_hf.store.index import common_prefix_length
+from kvboost_hf.store.scope import CacheScope
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 class ModelProposer:
     """Drafts ``k`` tokens with an assistant model through HF's generator (``k = 0``: no draft call)."""
 
-    def __init__(self, inner: AssistedCandidateGenerator, name: str = "model", owns_length: bool = True) -> None:
+    def __init__(self, inner: AssistedCandidateGenerator, name: str = "model", owns_length: bool = True,
+                 scope: CacheScope | None = None) -> None:
         self.name = name
         self.inner = inner
         if owns_length:
@@ -44,6 +46,7 @@ class ModelProposer:
         state = reuse_state(inner.assistant_model)
         if state is not None:
             self.cache = ChunkReuseCache(inner.assistant_model.config, state.store)
+            self.cache.scope = scope  # the draft's prefill reads and feeds the request's own entries only
             self.cache.activate_past_recording()
             inner.assistant_kwargs["past_key_values"] = self.cache
 
@@ -70,7 +73,9 @@ class ModelProposer:
                 key = namespace(self.inner.assistant_model)
             except UnfingerprintableModel:
                 key = None
-            self._stored = 0 if key is None else self.cache.store.stored_prefix_length(key, input_ids[0].tolist())
+            scope = self.cache.scope or CacheScope()
+            self._stored = 0 if key is None else self.cache.store.stored_prefix_length(
+                scope.root(key), input_ids[0].tolist(), shared=scope.shared_root(key))
         return self._stored
 
     def finish(self, sequence: torch.LongTensor) -> ChunkReuseCache | None:

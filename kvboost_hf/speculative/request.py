@@ -64,10 +64,6 @@ def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = 
     if request is not None:
         request.stopping_criteria = list(kwargs.get("stopping_criteria") or ())
         request.scope = as_scope(kwargs.get("cache_salt"))
-        if request.scope is not None and request.kind == "model":
-            # The draft model's own prefill reuse would read and feed unsalted entries.
-            raise ValueError("cache_salt with a model draft is not supported yet: use draft='prompt-lookup' or "
-                             "draft='store', or no cache_salt")
     return request
 
 
@@ -181,7 +177,8 @@ def candidate_generator(model: torch.nn.Module, request: SpeculationRequest, gen
             # limits cut the draft at them instead.
             generator.generation_config.stop_strings = None
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
-        proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive)
+        proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive,
+                                 scope=request.scope)
     elif request.kind in LOOKUP_DRAFTS:
         store_index = LazyStoreNgrams(lambda: _store_index(model, request.scope)) if request.kind == "store" else None
         proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))

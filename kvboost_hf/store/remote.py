@@ -9,7 +9,10 @@ allkeys-lru``, bounds the memory, and the client never assumes a key is still th
   where ``anchor`` hashes the successor's first ``ANCHOR_TOKENS`` tokens: how a lookup walks a
   chain it has never seen locally, reading only the successors that can match (conversations
   after one shared system prompt do not pile up in one hash). Its token ids are a hint only:
-  the matched length always comes from the verified blob.
+  the matched length always comes from the verified blob;
+- ``{prefix}:owned:{owner hash}``: a set naming every blob and successor entry written for an
+  owner (what a purge deletes), and ``{prefix}:purges:{owner hash}``: how many times it was
+  purged (replicas follow it, forgetting the owner in their own RAM).
 
 Reads are synchronous with short timeouts (they are on the request's path, and cheaper than
 recomputing); writes go through a bounded queue to one background thread, never on the
@@ -31,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
 
 import torch
 import xxhash
@@ -40,6 +42,7 @@ from kvboost_hf.store.codec import StoredChunk, chunk_from_blob, to_tensors
 from kvboost_hf.store.entry_bytes import CorruptEntry, decode_entry, encode_entry, precision_of
 from kvboost_hf.store.index import common_prefix_length
 from kvboost_hf.store.keys import Key
+from kvboost_hf.store.remote_guard import CircuitBreaker, redact
 
 logger = logging.getLogger(__name__)
 
@@ -49,58 +52,12 @@ MAX_SUCCESSORS = 64  # successors read per step at most (HSCAN), whatever a hash
 HEALTH_INTERVAL_S = 2.0  # an idle tier is pinged this often (one PING per replica: negligible load)
 
 
-def redact(url: str) -> str:
-    """``url`` without its password (in the user info or as a ``password=`` query parameter)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, host = netloc.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}{':***' if colon else ''}@{host}"
-    query = "&".join(
-        f"{k}=***" if k.lower() in ("password", "pass", "pwd") else f"{k}{'=' if sep else ''}{v}"
-        for k, sep, v in (item.partition("=") for item in parts.query.split("&") if item)
-    )
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
 def _bits_name(bits: int | None) -> str:
     return "none" if bits is None else str(bits)
 
 
-class CircuitBreaker:
-    """Closed until a failure; then open for ``backoff_s`` (doubling per consecutive failure, up to ``max_backoff_s``)."""
-
-    def __init__(self, backoff_s: float = 2.0, max_backoff_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
-        self.backoff_s, self.max_backoff_s, self.clock = backoff_s, max_backoff_s, clock
-        self.failures = 0
-        self.open_until = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def is_open(self) -> bool:
-        return self.clock() < self.open_until
-
-    def allow(self) -> bool:
-        return not self.is_open
-
-    def success(self) -> None:
-        self.failures = 0
-
-    def failure(self) -> float | None:
-        """Record a failure; returns how long the tier is now skipped, or None when another call
-        (another thread, same outage) has opened the breaker already: that neither counts again
-        nor lengthens the back-off."""
-        with self._lock:
-            if self.is_open:
-                return None
-            self.failures += 1
-            wait = min(self.max_backoff_s, self.backoff_s * 2 ** (self.failures - 1))
-            self.open_until = self.clock() + wait
-            return wait
+def _owner_tag(owner: str | None) -> str:
+    return hashlib.blake2b(json.dumps(owner).encode(), digest_size=16).hexdigest()
 
 
 @dataclass
@@ -109,7 +66,7 @@ class _Purge:
 
     owner: str | None
     done: threading.Event = field(default_factory=threading.Event)
-    removed: int | None = None
+    removed: tuple[int, int] | None = None
 
 
 class RemoteTier:
@@ -161,8 +118,11 @@ class RemoteTier:
 
     def _owned(self, owner: str | None) -> str:
         """The set naming every blob and successor entry written for ``owner`` (what a purge deletes)."""
-        tag = hashlib.blake2b(json.dumps(owner).encode(), digest_size=16).hexdigest()
-        return f"{self.prefix}:owned:{tag}"
+        return f"{self.prefix}:owned:{_owner_tag(owner)}"
+
+    def _purges(self, owner: str | None) -> str:
+        """How many times ``owner`` was purged, by any replica (each replica's RAM follows it)."""
+        return f"{self.prefix}:purges:{_owner_tag(owner)}"
 
     def _short(self, parent: Key) -> str:
         """Successors shorter than the anchor (a lone BOS chunk, a short final chunk)."""
@@ -356,17 +316,28 @@ class RemoteTier:
         else:
             self.counts["writes"] += 1
 
-    def purge(self, owner: str | None, timeout_s: float = 5.0) -> int | None:
+    def purge(self, owner: str | None, timeout_s: float = 5.0) -> tuple[int, int] | None:
         """Delete every blob and successor entry written for ``owner``, after the writes queued before this
-        call (queued in this process: they run first, then go); how many blobs went, or None when Redis
-        could not be purged (down, or no answer within ``timeout_s``)."""
+        call (queued in this process: they run first, then go), and count the purge for every replica
+        (:meth:`purges`); ``(blobs deleted, purges so far)``, or None when Redis could not be purged
+        (down, or no answer within ``timeout_s``)."""
         job = _Purge(owner)
         self._pending.put_nowait((0, job))
         if not job.done.wait(timeout_s):
             return None
         return job.removed
 
-    def _purge(self, owner: str | None) -> int | None:
+    def purges(self, owner: str | None) -> int | None:
+        """How many times ``owner`` was purged in this Redis (None while it does not answer)."""
+        value = self._call("purge count", lambda: self._client.get(self._purges(owner)))
+        if value is None and self._up is False:
+            return None
+        try:
+            return int(value or 0)
+        except ValueError:
+            return 0
+
+    def _purge(self, owner: str | None) -> tuple[int, int] | None:
         owned = self._owned(owner)
         members = self._call("purge", lambda: self._client.smembers(owned))
         if members is None:
@@ -380,12 +351,15 @@ class RemoteTier:
                     pipe.delete(name[1])
                 else:
                     pipe.hdel(name[1], name[2])
-            pipe.srem(owned, *members)
+            if members:
+                pipe.srem(owned, *members)
+            pipe.incr(self._purges(owner))
             return pipe.execute()
 
-        if names and self._call("purge", delete) is None:
+        done = self._call("purge", delete)
+        if done is None:
             return None
-        return sum(1 for name in names if name[0] == "kv")
+        return sum(1 for name in names if name[0] == "kv"), int(done[-1])
 
     def forget_successor(self, parent: Key, ids: tuple[int, ...], key: Key) -> None:
         """Drop a successor entry that points nowhere useful (its blob is gone, or it lied about its tokens)."""

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kvboost_hf.store.quant import SUPPORTED_BITS
-from kvboost_hf.store.remote import redact
+from kvboost_hf.store.remote_guard import redact
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 

@@ -63,6 +63,7 @@ class ChunkStore(TieredChunks):
         )
         super().__init__(settings)
         self._epochs: dict[str | None, int] = {}  # owner -> purges so far
+        self._remote_purges: dict[str | None, int] = {}  # owner -> purges Redis had counted when last read
         self._counts = dict.fromkeys(
             ("hits", "misses", "hit_tokens", "lookup_tokens", "content_hit_tokens", "inserted"), 0
         )
@@ -328,14 +329,40 @@ class ChunkStore(TieredChunks):
         inserts of requests that began before are dropped too (:meth:`epoch`). Returns how many entries
         went from RAM, disk and Redis (``remote`` None when Redis could not be purged: down, or no
         answer in ``timeout_s``; without a remote tier it is 0)."""
+        ram, disk = self._purge_local(owner)
+        remote = 0
+        if self._remote is not None:
+            done = self._remote.purge(owner, timeout_s)
+            remote = None if done is None else done[0]
+            if done is not None:
+                with self._lock:
+                    self._remote_purges[owner] = done[1]  # this replica is up to date with its own purge
+        return {"ram": ram, "disk": disk, "remote": remote}
+
+    def _purge_local(self, owner: str | None) -> tuple[int, int]:
         with self._lock:
             self._epochs[owner] = self._epochs.get(owner, 0) + 1
             ram = [e.key for e in self._ram.entries() if e.owner == owner]
             disk = self._disk.owned(owner) if self._disk is not None else []
             for key in [*ram, *disk]:
                 self._forget(key)
-        remote = self._remote.purge(owner, timeout_s) if self._remote is not None else 0
-        return {"ram": len(ram), "disk": len(disk), "remote": remote}
+        return len(ram), len(disk)
+
+    def follow_purges(self, owner: str | None) -> bool:
+        """With a Redis tier: purge ``owner`` here too when another replica purged it since this store
+        last looked (one Redis read; nothing while Redis is down). True when it purged."""
+        if self._remote is None:
+            return False
+        count = self._remote.purges(owner)
+        if count is None:
+            return False
+        with self._lock:
+            seen = self._remote_purges.get(owner)
+            self._remote_purges[owner] = count
+        if seen is None or count <= seen:
+            return False  # the first look only learns the count: this store holds nothing purged before it
+        self._purge_local(owner)
+        return True
 
     def __repr__(self) -> str:
         return (

@@ -78,7 +78,16 @@ def test_a_bad_salt_is_refused(model, salt, error):
         warm(model, random_ids(8, 1), cache_salt=salt)
 
 
-def test_a_model_draft_with_a_salt_is_refused_until_it_is_isolated(model):
-    enable_chunk_reuse(model, ChunkStore(max_bytes=10**8, chunk_size=CHUNK))
-    with pytest.raises(ValueError, match="cache_salt with a model draft"):
-        model.generate(random_ids(8, 1), max_new_tokens=2, draft=make_tiny("llama", seed=1), cache_salt="a")
+def test_a_model_drafts_prefill_reuse_is_salted_too(model):
+    """The draft model's own prompt K/V go in the store too: under the request's salt, never another's."""
+    store = ChunkStore(max_bytes=10**8, chunk_size=CHUNK)
+    enable_chunk_reuse(model, store)
+    draft = make_tiny("llama", seed=1)
+    prompt = random_ids(40, 9)
+    expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    out, stats = run(model, prompt, draft=draft, cache_salt="a")
+    assert torch.equal(out, expected)
+    _, other = run(model, prompt, draft=draft, cache_salt="b")
+    assert other.reused_tokens == 0 and other.speculation.draft_reused_tokens == 0
+    _, same = run(model, prompt, draft=draft, cache_salt="a")
+    assert same.reused_tokens > 0 and same.speculation.draft_reused_tokens > 0

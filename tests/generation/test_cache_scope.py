@@ -74,10 +74,3 @@ def test_purge_and_quota_through_generate(model):
     assert stats.reused_tokens == 0
     _, stats = run(model, prompts[0], cache_salt=scope("bob"))
     assert stats.reused_tokens == 47
-
-
-def test_a_model_draft_with_a_scope_is_refused(model):
-    enable_chunk_reuse(model, ChunkStore(max_bytes=10**7, chunk_size=CHUNK))
-    with pytest.raises(ValueError, match="cache_salt with a model draft"):
-        model.generate(random_ids(12, 1), max_new_tokens=2, do_sample=False, assistant_model=make_tiny("llama", seed=5),
-                       cache_salt=scope("alice"))

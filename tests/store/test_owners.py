@@ -189,6 +189,24 @@ def test_two_replicas_on_one_redis_keep_owners_apart_and_a_purge_reaches_redis(r
         store.close()
 
 
+def test_a_purge_on_one_replica_reaches_the_others_ram(redis_url):
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    one, two = (ChunkStore(max_bytes=10**6, chunk_size=4, remote=redis_url, remote_prefix=prefix) for _ in range(2))
+    assert not one.follow_purges("a")  # the first look learns the count
+    insert(one, A, TOKENS, owner="a")
+    insert(one, B, TOKENS, owner="b")
+    assert one.flush()
+    assert two.purge("a")["remote"] == 5
+    assert reused(one, A, TOKENS) == 20  # its RAM still holds them until it looks
+    assert one.follow_purges("a") and reused(one, A, TOKENS) == 0
+    assert reused(one, B, TOKENS) == 20
+    assert not one.follow_purges("a")  # nothing new
+    insert(one, A, TOKENS, owner="a")
+    assert not two.follow_purges("a") and reused(one, A, TOKENS) == 20  # the purging replica is up to date
+    for store in (one, two):
+        store.close()
+
+
 def test_a_purge_while_redis_is_down_says_so():
     store = ChunkStore(max_bytes=10**6, chunk_size=4, remote="redis://127.0.0.1:1/0", remote_timeout_s=0.05)
     insert(store, A, TOKENS, owner="a")

@@ -11,7 +11,7 @@ import redis
 import torch
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
-from kvboost_hf.store.remote import CircuitBreaker, redact
+from kvboost_hf.store.remote_guard import CircuitBreaker, redact
 from tests.conftest import make_tiny, random_ids, start_redis
 from tests.store.test_store import NS, put
 

@@ -47,8 +47,8 @@ def post(server, key, path, **body) -> httpx.Response:
 
 
 def complete(server, key, prompt, **extra) -> dict:
-    reply = post(server, key, "/v1/completions", model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0,
-                 **extra)
+    reply = post(server, key, "/v1/completions", **{"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1,
+                                                   "temperature": 0, **extra})
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -295,3 +295,40 @@ def test_one_api_key_is_unchanged(tmp_path):
         purged = httpx.delete(f"{server.base_url}/v1/cache", headers={"Authorization": "Bearer sk-single"})
         assert purged.status_code == 200 and purged.json()["purged"]["ram"] > 0
         assert cached(complete(server, "sk-single", prompt)) == 0
+
+
+def test_two_replicas_on_one_redis_keep_tenants_apart(tmp_path, redis_url):
+    """Replicas share entries through Redis by tenant: alice's reach alice on the other replica, never bob."""
+    keys = write_keys(tmp_path / "k.json", KEYS)
+    prefix = f"tenants-{uuid.uuid4().hex[:8]}"
+
+    def replica_store():
+        return ChunkStore(max_bytes=50_000_000, chunk_size=16, remote=redis_url, remote_prefix=prefix)
+
+    models = [make_tiny("llama", seed=45) for _ in range(3)]  # the same weights: one namespace
+    with serve(models[0], tiny_tokenizer(), replica_store(), api_keys_file=keys) as one, \
+            serve(models[1], tiny_tokenizer(), replica_store(), api_keys_file=keys) as two:
+        complete(one, ALICE, SECRET)
+        assert one.store.flush()
+        assert cached(complete(two, BOB, SECRET)) == 0
+        assert cached(complete(two, BOB, SECRET, cache_salt="alice")) == 0
+        assert cached(complete(two, ALICE2, SECRET)) > 0  # from Redis
+        purged = httpx.delete(f"{two.base_url}/v1/cache", headers={"Authorization": f"Bearer {ALICE}"})
+        assert purged.status_code == 200 and purged.json()["purged"]["remote"] > 0
+        assert cached(complete(one, ALICE, SECRET)) == 0  # replica one's RAM followed the purge
+    with serve(models[2], tiny_tokenizer(), replica_store(), api_keys_file=keys) as three:
+        assert cached(complete(three, ALICE, SECRET)) == 0  # Redis forgot alice
+        assert cached(complete(three, BOB, SECRET)) > 0  # bob's own entries (stored by replica two) are kept
+
+
+def test_a_model_draft_serves_tenants_with_their_own_entries(tmp_path):
+    from kvboost_hf.server.engine.speculation import attach_speculation, build_draft
+
+    model, tokenizer = make_tiny("llama", seed=46), tiny_tokenizer()
+    with serve(model, tokenizer, api_keys_file=write_keys(tmp_path / "k.json", KEYS)) as server:
+        attach_speculation(server.app, model, build_draft("int8", model, tokenizer))
+        plain = complete(server, ALICE, SECRET, max_tokens=6)
+        again = complete(server, ALICE, SECRET, max_tokens=6)
+        assert cached(again) > 0 and again["choices"][0]["text"] == plain["choices"][0]["text"]
+        bob = complete(server, BOB, SECRET, max_tokens=6)
+        assert cached(bob) == 0 and bob["choices"][0]["text"] == plain["choices"][0]["text"]
