@@ -104,8 +104,7 @@ def start_request(module: torch.nn.Module, state: ReuseState, cache: ChunkReuseC
         cache.untrack()
         return
     scope = cache.scope or CacheScope()
-    if scope.owner is not None:
-        cache.store.follow_purges(scope.owner)  # another replica's purge reaches this one's RAM
+    cache.store.follow_purges(scope.owner)  # another replica's purge reaches this one (with a Redis tier)
     request.namespace, request.shared = scope.root(model_namespace), scope.shared_root(model_namespace)
     request.owner = scope.owner
     request.epoch = scope.epoch if scope.epoch is not None else cache.store.epoch(scope.owner)

@@ -240,9 +240,10 @@ def build_store(args: argparse.Namespace):
 
 def warm_texts(
     model, tokenizer, store, texts: list[str], files: list[str], limit: int | None,
-    block_tokens: int = WARM_BLOCK_TOKENS,
+    block_tokens: int = WARM_BLOCK_TOKENS, scope=None,
 ) -> int:
-    """Store the K/V of each text and each file; returns the tokens warmed. Raises ServeError.
+    """Store the K/V of each text and each file (under ``scope``: with tenants, the shared one every
+    tenant reads); returns the tokens warmed. Raises ServeError.
 
     A long text is forwarded ``block_tokens`` at a time (rounded to whole chunks), each step
     loading what the previous one stored, with a tqdm progress bar over the blocks.
@@ -269,7 +270,7 @@ def warm_texts(
         block = max(block_tokens // store.chunk_size, 1) * store.chunk_size
         ends = list(range(block, len(ids), block)) + [len(ids)]
         for end in tqdm(ends, desc=f"warming {name}", unit="block", disable=len(ends) < 2):
-            warm(model, ids[:end], store)
+            warm(model, ids[:end], store, cache_salt=scope)
         logger.info("warmed %s: %d tokens", name, len(ids))
         total += len(ids)
     return total
@@ -394,7 +395,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ServeError(str(err)) from err
     if args.warm or args.warm_file:
         limits = [v for v in (context_length(model), args.max_prompt_tokens) if v is not None]
-        warm_texts(model, tokenizer, store, args.warm, args.warm_file, min(limits) if limits else None)
+        warm_texts(model, tokenizer, store, args.warm, args.warm_file, min(limits) if limits else None,
+                   scope=app.state.tenancy.startup_scope())
     if settings.api_keys_file:
         reload_on_sighup(app.state.tenancy)
     print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

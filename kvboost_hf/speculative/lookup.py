@@ -50,6 +50,7 @@ class StoreNgrams:
         self.index = NgramIndex(settings)
         self.known: set[Key] = set()  # chunk keys indexed
         self.tokens = 0
+        self.purges = 0  # the store's purge count when last refreshed: a purge rebuilds the index
         self.lock = threading.Lock()
 
     @property
@@ -61,6 +62,9 @@ class StoreNgrams:
         """Index the chunks stored since the last refresh, rebuilding if the index would grow too large."""
         context = self.settings.max_ngram
         with self.lock:
+            if store.purges != self.purges:  # purged text must never be proposed again
+                self.purges = store.purges
+                self.index, self.known, self.tokens = NgramIndex(self.settings), set(), 0
             tails = store.chain_tails(namespace, self.known, context)
             if self.tokens + sum(len(t.context) + len(t.token_ids) for t in tails) > self.max_tokens:
                 tails = self._newest(store.chain_tails(namespace, (), 0))

@@ -57,6 +57,7 @@ class StoredChunk:
     # token); None until a forward that computed them attached them (``store.logprobs``).
     logprobs: torch.Tensor | None = None
     owner: str | None = None  # who the store charges it to (CacheScope.owner): quotas and purges
+    generation: int = 0  # the owner's purges (as Redis counted them) when it was stored: older ones are stale
 
     def __post_init__(self) -> None:
         pieces = (*self.keys, *self.values, *self.sink_keys, *self.sink_values)
@@ -188,6 +189,8 @@ def to_tensors(entry: StoredChunk) -> tuple[dict[str, torch.Tensor], dict[str, s
     }
     if entry.owner is not None:
         metadata["owner"] = entry.owner
+    if entry.generation:
+        metadata["generation"] = str(entry.generation)
     return {k: v.detach().to("cpu") for k, v in tensors.items()}, metadata
 
 
@@ -212,6 +215,7 @@ def from_tensors(key: Key, tensors: dict[str, torch.Tensor], metadata: dict[str,
         pinned=metadata.get("pinned") == "1",
         logprobs=_logprobs_of(tensors, len(json.loads(metadata["tokens"]))),
         owner=metadata.get("owner"),
+        generation=int(metadata.get("generation", 0)),
     )
 
 

@@ -40,6 +40,7 @@ class DiskRecord:
     bits: int | None = None  # storage precision: None = the model's own dtype (lossless)
     pinned: bool = False
     owner: str | None = None
+    generation: int = 0
 
 
 def precision_of(metadata: dict[str, str]) -> int | None:
@@ -68,7 +69,7 @@ def record_of(key: Key, meta: dict[str, str], nbytes: int) -> DiskRecord:
         return DiskRecord(
             key=key, parent=parent, namespace=bytes.fromhex(meta["namespace"]), token_ids=tokens, nbytes=nbytes,
             start=int(meta.get("start", 0)), bits=precision_of(meta), pinned=meta.get("pinned") == "1",
-            owner=_owner_of(meta),
+            owner=_owner_of(meta), generation=int(meta.get("generation", 0)),
         )
     except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as err:
         raise CorruptEntry(f"malformed header: {type(err).__name__}: {err}") from err

@@ -34,14 +34,15 @@ def stored_logprobs(store, namespace: Key, token_ids: Sequence[int], *, shared: 
 
 
 def attach_logprobs(store, namespace: Key, token_ids: Sequence[int], logprobs: Sequence[float | None], *,
-                    shared: Key | None = None) -> int:
-    """Keep ``logprobs[i]`` (of ``token_ids[i]``) with every stored chunk of the prompt's prefix chain
-    that lies wholly inside it; returns how many chunks got them."""
+                    shared: Key | None = None, owner: str | None = None) -> int:
+    """Keep ``logprobs[i]`` (of ``token_ids[i]``) with every stored chunk of ``owner``'s in the prompt's prefix
+    chain that lies wholly inside it; returns how many chunks got them. Shared chunks (another owner's)
+    are left as they are: whether they hold logprobs would tell one owner what another asked."""
     if len(logprobs) != len(token_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
     attached = []
     for hit in store.lookup(namespace, token_ids, shared=shared):
-        if not hit.exact or hit.offset or hit.num_tokens != hit.chunk.num_tokens:
+        if not hit.exact or hit.offset or hit.num_tokens != hit.chunk.num_tokens or hit.chunk.owner != owner:
             continue  # a chunk reaching past the prompt: the logprobs of its other tokens are unknown here
         values = logprobs[hit.start : hit.start + hit.num_tokens]
         hit.chunk.logprobs = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)

@@ -10,9 +10,10 @@ allkeys-lru``, bounds the memory, and the client never assumes a key is still th
   chain it has never seen locally, reading only the successors that can match (conversations
   after one shared system prompt do not pile up in one hash). Its token ids are a hint only:
   the matched length always comes from the verified blob;
-- ``{prefix}:owned:{owner hash}``: a set naming every blob and successor entry written for an
-  owner (what a purge deletes), and ``{prefix}:purges:{owner hash}``: how many times it was
-  purged (replicas follow it, forgetting the owner in their own RAM).
+- ``{prefix}:owned:{owner hash}``: a sorted set naming every live blob and successor entry written
+  for an owner, scored by when it expires (what a purge deletes), and ``{prefix}:purges:{owner hash}``:
+  how many times the owner was purged. A write is skipped when its entry predates the latest purge
+  (a Lua script checks and writes at once); replicas read the count and forget older entries.
 
 Reads are synchronous with short timeouts (they are on the request's path, and cheaper than
 recomputing); writes go through a bounded queue to one background thread, never on the
@@ -54,6 +55,39 @@ HEALTH_INTERVAL_S = 2.0  # an idle tier is pinged this often (one PING per repli
 
 def _bits_name(bits: int | None) -> str:
     return "none" if bits is None else str(bits)
+
+
+# One chunk's write, atomic, unless its owner was purged after the entry's generation (another
+# replica's purge overtook a queued write). KEYS: purges, blob, successors, owned (a sorted set of
+# what was written for the owner, scored by expiry: members past it are pruned on every write).
+# ARGV: generation, blob, key hex, token ids, ttl, the two members.
+_WRITE = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') > tonumber(ARGV[1]) then return 0 end
+local now = tonumber(redis.call('TIME')[1])
+local ttl = tonumber(ARGV[5])
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ttl)
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+redis.call('EXPIRE', KEYS[3], ttl)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+redis.call('ZADD', KEYS[4], now + ttl, ARGV[6], now + ttl, ARGV[7])
+redis.call('EXPIRE', KEYS[4], ttl)
+return 1
+"""
+
+# A purge: delete every blob and successor entry named in KEYS[1], then count the purge (KEYS[2]).
+_PURGE = """
+local removed = 0
+for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local name = cjson.decode(member)
+  if name[1] == 'kv' then
+    removed = removed + redis.call('DEL', name[2])
+  else
+    redis.call('HDEL', name[2], name[3])
+  end
+end
+redis.call('DEL', KEYS[1])
+return {removed, redis.call('INCR', KEYS[2])}
+"""
 
 
 def _owner_tag(owner: str | None) -> str:
@@ -232,11 +266,17 @@ class RemoteTier:
                 continue
             self.counts["hits"] += 1
             names = [name] + ([self._next(parent, ids), self._short(parent)] if parent is not None else [])
+            owned = self._owned(metadata.get("owner"))
+            filed = self._next(bytes.fromhex(metadata["parent"]), tuple(json.loads(metadata["tokens"])))
+            members = [json.dumps(["kv", name]), json.dumps(["next", filed, key.hex()])]
 
             def touch():
                 pipe = self._client.pipeline(transaction=False)
                 for n in names:
                     pipe.expire(n, self.ttl_s)
+                # what a purge must find lives as long as what it names
+                pipe.zadd(owned, dict.fromkeys(members, time.time() + self.ttl_s))
+                pipe.expire(owned, self.ttl_s)
                 return pipe.execute()
 
             self._call("touch", touch)
@@ -299,20 +339,16 @@ class RemoteTier:
 
     def _write(self, key, parent, token_ids, bits, tensors, metadata) -> None:
         blob = encode_entry(key, tensors, metadata)
+        owner = metadata.get("owner")
         kv, successors = self._kv(key, bits), self._next(parent, token_ids)
-        owned = self._owned(metadata.get("owner"))
-
-        def put():
-            pipe = self._client.pipeline(transaction=False)
-            pipe.set(kv, blob, ex=self.ttl_s)
-            pipe.hset(successors, key.hex(), json.dumps(list(token_ids)))
-            pipe.expire(successors, self.ttl_s)
-            pipe.sadd(owned, json.dumps(["kv", kv]), json.dumps(["next", successors, key.hex()]))
-            pipe.expire(owned, self.ttl_s)
-            return pipe.execute()
-
-        if self._call("write", put) is None:
+        names = [self._purges(owner), kv, successors, self._owned(owner)]
+        args = [metadata.get("generation", "0"), blob, key.hex(), json.dumps(list(token_ids)), self.ttl_s,
+                json.dumps(["kv", kv]), json.dumps(["next", successors, key.hex()])]
+        written = self._call("write", lambda: self._client.eval(_WRITE, len(names), *names, *args))
+        if written is None:
             self.counts["write_errors"] += 1
+        elif int(written) == 0:
+            self.counts["writes_dropped"] += 1  # its owner was purged after it was stored: not written
         else:
             self.counts["writes"] += 1
 
@@ -338,28 +374,9 @@ class RemoteTier:
             return 0
 
     def _purge(self, owner: str | None) -> tuple[int, int] | None:
-        owned = self._owned(owner)
-        members = self._call("purge", lambda: self._client.smembers(owned))
-        if members is None:
-            return None
-        names = [json.loads(m) for m in members]
-
-        def delete():
-            pipe = self._client.pipeline(transaction=False)
-            for name in names:
-                if name[0] == "kv":
-                    pipe.delete(name[1])
-                else:
-                    pipe.hdel(name[1], name[2])
-            if members:
-                pipe.srem(owned, *members)
-            pipe.incr(self._purges(owner))
-            return pipe.execute()
-
-        done = self._call("purge", delete)
-        if done is None:
-            return None
-        return sum(1 for name in names if name[0] == "kv"), int(done[-1])
+        names = [self._owned(owner), self._purges(owner)]
+        done = self._call("purge", lambda: self._client.eval(_PURGE, len(names), *names))
+        return None if done is None else (int(done[0]), int(done[1]))
 
     def forget_successor(self, parent: Key, ids: tuple[int, ...], key: Key) -> None:
         """Drop a successor entry that points nowhere useful (its blob is gone, or it lied about its tokens)."""

@@ -63,7 +63,7 @@ class ChunkStore(TieredChunks):
         )
         super().__init__(settings)
         self._epochs: dict[str | None, int] = {}  # owner -> purges so far
-        self._remote_purges: dict[str | None, int] = {}  # owner -> purges Redis had counted when last read
+        self.purges = 0  # local purges of any owner (indexes built over the store rebuild after one)
         self._counts = dict.fromkeys(
             ("hits", "misses", "hit_tokens", "lookup_tokens", "content_hit_tokens", "inserted"), 0
         )
@@ -278,7 +278,8 @@ class ChunkStore(TieredChunks):
                     keys, values = states(start, end)
                     group = self.group_size or default_group_size(keys[0].shape[-1])
                     fields = encode_chunk(keys, values, self.kv_bits, group, self.sink_tokens - start)
-                    entry = StoredChunk(key, parent, root, start, toks, pinned=pin, owner=owner, **fields)
+                    entry = StoredChunk(key, parent, root, start, toks, pinned=pin, owner=owner,
+                                        generation=self._generations.get(owner, 0), **fields)
                     if not self._make_room(entry.nbytes, protected=chain, owner=owner):
                         break
                     self._add(entry)
@@ -326,43 +327,49 @@ class ChunkStore(TieredChunks):
 
     def purge(self, owner: str | None, timeout_s: float = 5.0) -> dict[str, int | None]:
         """Forget every entry charged to ``owner`` in every tier (Redis and its queued writes included);
-        inserts of requests that began before are dropped too (:meth:`epoch`). Returns how many entries
-        went from RAM, disk and Redis (``remote`` None when Redis could not be purged: down, or no
+        inserts of requests that began before are dropped too (:meth:`epoch`), and with Redis every
+        replica drops the owner's older entries at its next look (:meth:`follow_purges`). Returns how many
+        entries went from RAM, disk and Redis (``remote`` None when Redis could not be purged: down, or no
         answer in ``timeout_s``; without a remote tier it is 0)."""
-        ram, disk = self._purge_local(owner)
+        with self._lock:
+            self._epochs[owner] = self._epochs.get(owner, 0) + 1  # from now on, older requests store nothing
         remote = 0
-        if self._remote is not None:
+        if self._remote is not None:  # first: a lookup meanwhile may copy its entries here; the local purge follows
             done = self._remote.purge(owner, timeout_s)
             remote = None if done is None else done[0]
             if done is not None:
                 with self._lock:
-                    self._remote_purges[owner] = done[1]  # this replica is up to date with its own purge
+                    self._generations[owner] = done[1]  # entries older than this are stale everywhere
+        ram, disk = self._purge_local(owner)
         return {"ram": ram, "disk": disk, "remote": remote}
 
-    def _purge_local(self, owner: str | None) -> tuple[int, int]:
+    def _purge_local(self, owner: str | None, below: int | None = None) -> tuple[int, int]:
+        """Forget ``owner``'s entries in RAM and on disk (only those of a generation under ``below``, given one)."""
+        def gone(record) -> bool:
+            return record.owner == owner and (below is None or record.generation < below)
+
         with self._lock:
-            self._epochs[owner] = self._epochs.get(owner, 0) + 1
-            ram = [e.key for e in self._ram.entries() if e.owner == owner]
-            disk = self._disk.owned(owner) if self._disk is not None else []
+            ram = [e.key for e in self._ram.entries() if gone(e)]
+            disk = [r.key for r in self._disk.records(self._disk.keys()) if gone(r)] if self._disk is not None else []
             for key in [*ram, *disk]:
                 self._forget(key)
+            self.purges += 1
         return len(ram), len(disk)
 
     def follow_purges(self, owner: str | None) -> bool:
-        """With a Redis tier: purge ``owner`` here too when another replica purged it since this store
-        last looked (one Redis read; nothing while Redis is down). True when it purged."""
+        """With a Redis tier: forget ``owner``'s entries stored before its latest purge by any replica (one
+        Redis read; nothing while Redis is down). True when it forgot some."""
         if self._remote is None:
             return False
         count = self._remote.purges(owner)
         if count is None:
             return False
         with self._lock:
-            seen = self._remote_purges.get(owner)
-            self._remote_purges[owner] = count
-        if seen is None or count <= seen:
-            return False  # the first look only learns the count: this store holds nothing purged before it
-        self._purge_local(owner)
-        return True
+            seen = self._generations.get(owner)
+            self._generations[owner] = count
+            if seen is not None and count <= seen:
+                return False
+        return sum(self._purge_local(owner, below=count)) > 0
 
     def __repr__(self) -> str:
         return (

@@ -40,6 +40,7 @@ class TieredChunks:
         self._ram = RamTier(self.max_bytes, self.recency_half_life)
         self._index = ChunkIndex()  # every known chunk, RAM or disk
         self._clock = 0
+        self._generations: dict[str | None, int] = {}  # owner -> purges Redis had counted when last read
         self._disk: DiskTier | None = None
         self._disk_stamp: float | None = None
         self._remote: RemoteTier | None = None
@@ -106,6 +107,9 @@ class TieredChunks:
         if entry is None or entry.parent != parent or used == 0 or not self.accepts(entry.bits):
             self._remote.forget_successor(parent, rest, best)
             return None
+        if self.stale(entry):
+            self._remote.remove(best)  # written before a purge of its owner (another replica's late write)
+            return None
         if best not in self._ram and self._make_room(entry.nbytes, protected, entry.owner):
             self._add_ram(entry)
             self._persist_to(self._disk, entry)  # a restarted process finds it locally; its chain stays whole on disk
@@ -138,9 +142,16 @@ class TieredChunks:
             # Replaced since it was indexed by a less precise entry (another store's): not for us.
             self._forget(key, delete_files=False)
             return None
+        if self.stale(entry):
+            self._forget(key)  # its owner was purged since it was written (e.g. while this process was down)
+            return None
         if self._make_room(entry.nbytes, protected, entry.owner):
             self._add_ram(entry)
         return entry
+
+    def stale(self, entry: StoredChunk) -> bool:
+        """Whether ``entry`` was stored before a purge of its owner that this store knows of."""
+        return entry.generation < self._generations.get(entry.owner, 0)
 
     def _add(self, entry: StoredChunk) -> None:
         # A new chunk supersedes any stored partial sibling that is a prefix of it.

@@ -76,11 +76,13 @@ def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
     state = reuse_state(model) if store is not None else None
     scope = scope or CacheScope()
     ns = _namespace_or_none(model, scope) if state is not None else None
+    if ns is not None and scope.owner is not None:
+        store.follow_purges(scope.owner)  # logprobs the store holds whole never reach the reuse hook
     shared = scope.shared_root(namespace(model)) if ns is not None else None
     if top > 0 or ns is None or store.kv_bits is not None:
         entries = [first, *_score(model, prompt_ids, 1, top, DynamicCache(config=model.config), slice_tokens)]
         if ns is not None:
-            attach_logprobs(store, ns, prompt_ids, [e.logprob for e in entries], shared=shared)
+            attach_logprobs(store, ns, prompt_ids, [e.logprob for e in entries], shared=shared, owner=scope.owner)
         return PromptLogprobs(entries)
     known = stored_logprobs(store, ns, prompt_ids, shared=shared)
     covered = max(len(known), 1)
@@ -88,7 +90,7 @@ def prompt_logprobs(model, prompt_ids: list[int], top: int, store=None,
     if covered < len(prompt_ids):
         fresh, cached = _score_on_stored_prefix(model, state, store, prompt_ids, covered, slice_tokens, scope)
         known = [first.logprob, *known[1:covered]] + [e.logprob for e in fresh]
-        attach_logprobs(store, ns, prompt_ids, known, shared=shared)
+        attach_logprobs(store, ns, prompt_ids, known, shared=shared, owner=scope.owner)
     return PromptLogprobs([TokenLogprob(t, None if i == 0 else known[i]) for i, t in enumerate(prompt_ids)], cached)
 
 

@@ -244,6 +244,7 @@ def generate_reply(
     elif store is not None and is_chunk_reuse_enabled(model):
         cache = ChunkReuseCache(model.config, store)
         kwargs["past_key_values"] = cache
+    if store is not None and is_chunk_reuse_enabled(model):  # with kv_bits too: a draft stays in the scope
         kwargs["cache_salt"] = params.cache_scope
     sampled = params.temperature > 0
     with _SAMPLING_LOCK if sampled else contextlib.nullcontext():

@@ -118,8 +118,8 @@ def create_app(model, tokenizer, store: ChunkStore, settings: ServerSettings | N
         return tenancy.stats(tenancy.grant(request), service.stats)
 
     @app.delete("/v1/cache")
-    async def purge_cache(request: Request, tenant: str | None = None) -> dict:
-        return await run_in_threadpool(tenancy.purge, tenancy.grant(request), tenant)
+    async def purge_cache(request: Request, tenant: str | None = None, shared: bool = False) -> dict:
+        return await run_in_threadpool(tenancy.purge, tenancy.grant(request), tenant, shared)
 
     @app.post("/v1/warm")
     async def warm_store(body: schemas.WarmRequest, request: Request) -> dict:

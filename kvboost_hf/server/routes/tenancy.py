@@ -101,6 +101,10 @@ class Tenancy:
             raise APIError(403, "only an admin key may warm shared entries", param="shared", code="forbidden")
         return CacheScope(salt=SHARED_SALT)
 
+    def startup_scope(self) -> CacheScope | None:
+        """Where ``--warm`` texts go: shared by every tenant with ``--api-keys`` (else the one tenant's)."""
+        return CacheScope(salt=SHARED_SALT) if self.enabled else None
+
     def note_shared(self, grant: Grant, prompt_tokens: int, reusable: int, preview: str) -> None:
         self.shared.append({"prompt_tokens": prompt_tokens, "reusable_tokens": reusable, "warmed_by": grant.tenant.name,
                             "warmed_at": int(time.time()), "preview": preview[:120]})
@@ -130,10 +134,16 @@ class Tenancy:
         return self.store.quotas()
 
     # ------------------------------------------------------------------ purge
-    def purge(self, grant: Grant | None, tenant: str | None) -> dict:
-        """Forget the caller's tenant's entries (an admin: ``tenant``'s) in every tier; 503 when Redis did not
-        answer (the local tiers are purged: retry)."""
-        if grant is None:
+    def purge(self, grant: Grant | None, tenant: str | None, shared: bool = False) -> dict:
+        """Forget the caller's tenant's entries (an admin: ``tenant``'s, or with ``shared`` the shared ones)
+        in every tier; 503 when Redis did not answer (the local tiers are purged: retry)."""
+        if shared:
+            if grant is None or not grant.admin or tenant is not None:
+                raise APIError(403 if grant is not None else 400, "only an admin key (--api-keys) may purge the "
+                               "shared entries, and without 'tenant'", param="shared", code="forbidden")
+            owner = None  # shared entries are charged to nobody
+            self.shared.clear()
+        elif grant is None:
             if tenant is not None:
                 raise APIError(400, "'tenant' needs tenants (--api-keys)", param="tenant", code="invalid_value")
             owner = None  # one tenant: everything this server charged to nobody
@@ -147,9 +157,9 @@ class Tenancy:
         if purged["remote"] is None:
             raise APIError(503, "the RAM and disk tiers are purged, but the shared Redis tier did not answer: retry",
                            code="remote_unavailable", headers={"Retry-After": "5"})
-        logger.info("purged the entries of %s: %s", "the server's one tenant" if owner is None else f"tenant {owner!r}",
-                    purged)
-        return {"tenant": owner, "purged": purged}
+        who = "the shared entries" if shared else "the server's one tenant" if owner is None else f"tenant {owner!r}"
+        logger.info("purged %s: %s", who, purged)
+        return {"tenant": owner, "shared": shared, "purged": purged}
 
 
 def reload_on_sighup(tenancy: Tenancy) -> None:

@@ -177,14 +177,29 @@ class BatchingQueue:
         prompt = nxt.prompt_ids
         # Only prefills under the same cache_salt can serve it: waiting on another salt's would show in
         # its TTFT that someone is sending this prefix (and would save nothing).
-        same_salt = [seq for seq in prefilling if seq.scope == nxt.params.cache_scope]
+        scope = nxt.params.cache_scope
+        same_salt = [seq for seq in prefilling if seq.scope == scope]
         if not same_salt or not waits_for_prefill(prompt, self.runner.in_flight(same_salt),
                                                   self.runner.store.chunk_size):
             return False
+        if self._others_queued(scope):
+            return False  # a row that waits holds back those behind it: never another salt's or tenant's
         if self._deferred is not prompt:  # count each row once, however many steps it waits
             self._deferred = prompt
             self.metrics.observe_shared_wait()
         return True
+
+    def _others_queued(self, scope) -> bool:
+        """Whether a row under another scope (salt, tenant) waits to be admitted."""
+        rows = [row for group in self._partial for row in group.pending]
+        with self._cond:
+            jobs = list(self._incoming)
+        for job in jobs:
+            request = getattr(job, "request", None)
+            if not isinstance(request, RowsRequest):
+                return True  # work run whole: it would wait too
+            rows.extend(request.rows)
+        return any(getattr(row, "request", row).params.cache_scope != scope for row in rows)
 
     def _next_row(self) -> RowRequest | None:
         """The row :meth:`_admit` would start next (None: a job run whole, or nothing waits)."""

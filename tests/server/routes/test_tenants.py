@@ -87,6 +87,9 @@ def test_another_tenant_probing_a_prompt_learns_nothing_from_cached_tokens(tenan
     for n in range(16, len(words) + 1, 16):  # growing prefixes, each from scratch (a fresh salt of bob's)
         guess = " ".join(words[:n])
         assert cached(complete(server, BOB, guess, cache_salt=f"fresh-{uuid.uuid4().hex}")) == 0
+    # Nor from echoed prompt logprobs, scored on stored K/V only under the caller's own scope.
+    echoed = complete(server, BOB, SECRET, echo=True, logprobs=0, cache_salt=f"fresh-{uuid.uuid4().hex}")
+    assert cached(echoed) == 0
     # A forged salt naming the server's own shared entries is refused, not served.
     for forged in ("\x00kvboost-shared", "a\nb"):
         reply = post(server, BOB, "/v1/completions", model=MODEL_NAME, prompt=SECRET, max_tokens=1, cache_salt=forged)
@@ -146,6 +149,24 @@ def test_shared_prefixes_are_the_only_entries_two_tenants_both_hit(tenants_serve
                for s in stats["shared_prefixes"])
     reply = post(server, ADMIN, "/v1/warm", text=system, shared=True, cache_salt="x")
     assert reply.status_code == 400
+
+
+def test_startup_warming_is_shared_and_an_admin_may_purge_shared_entries(tenants_server):
+    from kvboost_hf.server.command import warm_texts
+
+    server = tenants_server
+    system = text(800, 48)
+    warm_texts(server.model, server.tokenizer, server.store, [system], [], None,
+               scope=server.app.state.tenancy.startup_scope())  # what --warm does at start-up
+    prompt = system + " " + text(801, 20)
+    assert cached(complete(server, ALICE, prompt)) > 0 and cached(complete(server, BOB, prompt + " w7")) > 0
+    for key, query, status in ((ALICE, {"shared": "true"}, 403), (ADMIN, {"shared": "true", "tenant": "bob"}, 403)):
+        reply = httpx.delete(f"{server.base_url}/v1/cache", params=query, headers={"Authorization": f"Bearer {key}"})
+        assert reply.status_code == status
+    purged = httpx.delete(f"{server.base_url}/v1/cache", params={"shared": "true"},
+                          headers={"Authorization": f"Bearer {ADMIN}"})
+    assert purged.status_code == 200 and purged.json()["shared"] and purged.json()["purged"]["ram"] > 0
+    assert cached(complete(server, BOB, system + " " + text(802, 20))) == 0
 
 
 def test_stats_and_metrics_per_tenant(tenants_server, caplog):
@@ -306,19 +327,22 @@ def test_two_replicas_on_one_redis_keep_tenants_apart(tmp_path, redis_url):
         return ChunkStore(max_bytes=50_000_000, chunk_size=16, remote=redis_url, remote_prefix=prefix)
 
     models = [make_tiny("llama", seed=45) for _ in range(3)]  # the same weights: one namespace
+    other = text(2, 200)  # a second prompt of alice's: each check below re-sends one (and stores it anew)
     with serve(models[0], tiny_tokenizer(), replica_store(), api_keys_file=keys) as one, \
             serve(models[1], tiny_tokenizer(), replica_store(), api_keys_file=keys) as two:
         complete(one, ALICE, SECRET)
+        complete(one, ALICE, other)
         assert one.store.flush()
         assert cached(complete(two, BOB, SECRET)) == 0
         assert cached(complete(two, BOB, SECRET, cache_salt="alice")) == 0
         assert cached(complete(two, ALICE2, SECRET)) > 0  # from Redis
+        assert two.store.flush()
         purged = httpx.delete(f"{two.base_url}/v1/cache", headers={"Authorization": f"Bearer {ALICE}"})
         assert purged.status_code == 200 and purged.json()["purged"]["remote"] > 0
         assert cached(complete(one, ALICE, SECRET)) == 0  # replica one's RAM followed the purge
-    with serve(models[2], tiny_tokenizer(), replica_store(), api_keys_file=keys) as three:
-        assert cached(complete(three, ALICE, SECRET)) == 0  # Redis forgot alice
-        assert cached(complete(three, BOB, SECRET)) > 0  # bob's own entries (stored by replica two) are kept
+        with serve(models[2], tiny_tokenizer(), replica_store(), api_keys_file=keys) as three:
+            assert cached(complete(three, ALICE, other)) == 0  # Redis forgot alice
+            assert cached(complete(three, BOB, SECRET)) > 0  # bob's own entries (stored by replica two) are kept
 
 
 def test_a_model_draft_serves_tenants_with_their_own_entries(tmp_path):
