@@ -225,7 +225,9 @@ def test_a_purge_racing_a_tenants_requests_leaves_nothing_of_them(tenants_server
     prompts = [text(5000 + k, 96) for k in range(4)]
     handle = slow_forward(server.model, 0.02)
     try:
-        threads = [threading.Thread(target=complete, args=(server, ALICE, p)) for p in prompts]
+        # 40 slow steps each: all four are queued or running long before the first ends
+        slow = {"max_tokens": 40, "ignore_eos": True}
+        threads = [threading.Thread(target=complete, args=(server, ALICE, p), kwargs=slow) for p in prompts]
         for t in threads:
             t.start()
         server.wait_until(lambda: server.queue.depth == len(prompts), "every request queued or running")
