@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import signal
 import threading
 import time
 import uuid
@@ -15,6 +17,7 @@ import httpx
 import pytest
 
 from benchmarks._common import rank_sum_p
+from kvboost_hf.server.routes.tenancy import reload_on_sighup
 from kvboost_hf.store import ChunkStore
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, serve, tiny_tokenizer
@@ -262,7 +265,7 @@ def test_quota_pressure_evicts_only_the_tenants_own_entries(tmp_path):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_key_removed_by_a_reload_mid_request_gets_nothing_more(tmp_path, stream):
+def test_a_key_removed_by_sighup_mid_request_gets_nothing_more(tmp_path, stream):
     path = tmp_path / "keys.json"
     write_keys(path, KEYS)
     model = make_tiny("llama", seed=43)
@@ -278,7 +281,12 @@ def test_a_key_removed_by_a_reload_mid_request_gets_nothing_more(tmp_path, strea
                         lines = r.iter_lines()
                         assert next(line for line in lines if line.startswith("data:"))
                         write_keys(path, {k: v for k, v in KEYS.items() if k != BOB})
-                        assert server.app.state.tenancy.reload()
+                        before = signal.getsignal(signal.SIGHUP)
+                        reload_on_sighup(server.app.state.tenancy)  # what kvboost-hf serve installs
+                        try:
+                            os.kill(os.getpid(), signal.SIGHUP)  # the operator's `kill -HUP`, mid-stream
+                        finally:
+                            signal.signal(signal.SIGHUP, before)
                         rest = "\n".join(lines)
                     assert "revoked" in rest and rest.count("data: {") < 200
                 else:
