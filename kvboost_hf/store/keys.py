@@ -79,3 +79,15 @@ def segment_spans(num_tokens: int, chunk_size: int, boundaries: Sequence[int] = 
     for seg_start, seg_end in zip(starts, [*starts[1:], num_tokens]):
         spans.extend((seg_start + s, seg_start + e) for s, e in chunk_spans(seg_end - seg_start, chunk_size))
     return spans
+
+
+def prefix_keys(root: Key, token_ids: Sequence[int], chunk_size: int, boundaries: Sequence[int] = ()) -> list[Key]:
+    """The chained keys a store gives the chunks of ``token_ids`` under ``root`` (chunks start at
+    ``boundaries`` and every ``chunk_size`` tokens inside a segment, as ``ChunkStore.insert`` cuts
+    them): a replica holding the first ``n`` of them holds that prompt's first ``n`` chunks exactly."""
+    keys, parent = [], root
+    for start, end in segment_spans(len(token_ids), chunk_size, boundaries):
+        parent = chunk_key(parent, token_ids[start:end])
+        keys.append(parent)
+    return keys
+

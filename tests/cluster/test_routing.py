@@ -1,0 +1,54 @@
+"""The prefix router's decisions: keys exactly as the store cuts and chains them, leading matches only,
+the longest holder unless overloaded, power of two choices otherwise, and no match across tenants."""
+
+from __future__ import annotations
+
+import random
+
+from kvboost_hf.cluster.routing import ReplicaReport, matched_chunks, rank_replicas, short
+from kvboost_hf.store import ChunkStore
+from kvboost_hf.store.keys import owned, prefix_keys
+from tests.store.test_store import NS, fake_states
+
+TOKENS = list(range(10, 40))
+
+
+def held(store: ChunkStore) -> set[bytes]:
+    return {short(e.key) for e in store.entries()}
+
+
+def test_prefix_keys_are_the_keys_the_store_inserts():
+    for boundaries in ((), (5,), (3, 17, 18)):
+        store = ChunkStore(max_bytes=10**6, chunk_size=8)
+        store.insert(NS, TOKENS, fake_states(TOKENS), boundaries=boundaries)
+        assert set(prefix_keys(NS, TOKENS, 8, boundaries)) == {e.key for e in store.entries()}
+
+
+def test_a_replica_matches_leading_chunks_only_and_never_another_tenants():
+    store = ChunkStore(max_bytes=10**6, chunk_size=8)
+    alice = owned(NS, "alice")
+    store.insert(alice, TOKENS[:24], fake_states(TOKENS[:24]))
+    assert matched_chunks(prefix_keys(alice, TOKENS, 8), held(store)) == 3
+    changed = [99] + TOKENS[1:]
+    assert matched_chunks(prefix_keys(alice, changed, 8), held(store)) == 0  # later chunks chain from the first
+    assert matched_chunks(prefix_keys(owned(NS, "bob"), TOKENS, 8), held(store)) == 0
+
+
+def test_the_longest_holder_wins_unless_it_is_overloaded():
+    keys = prefix_keys(NS, TOKENS, 8)
+    some, more = {short(k) for k in keys[:1]}, {short(k) for k in keys[:3]}
+    reports = [ReplicaReport("a", some, queue=0), ReplicaReport("b", more, queue=3), ReplicaReport("c", set(), 0)]
+    assert rank_replicas(keys, reports, imbalance=4) == [["b"], ["a", "c"]]
+    ranked = rank_replicas(keys, reports, imbalance=2, rng=random.Random(0))  # b is 3 requests behind: pow2
+    assert sorted(r for rank in ranked for r in rank) == ["a", "b", "c"] and all(len(rank) == 1 for rank in ranked[:2])
+    pair = ranked[:2]
+    assert [r.queue for r in reports if r.replica == pair[0][0]][0] <= [r.queue for r in reports
+                                                                      if r.replica == pair[1][0]][0]
+
+
+def test_without_a_hit_two_random_replicas_the_less_loaded_first():
+    keys = prefix_keys(NS, TOKENS, 8)
+    reports = [ReplicaReport(name, set(), queue=q) for name, q in (("a", 5), ("b", 1), ("c", 3))]
+    firsts = {rank_replicas(keys, reports, imbalance=4, rng=random.Random(seed))[0][0] for seed in range(40)}
+    assert firsts == {"b", "c"}  # "a", the busiest, is never first: it always loses its pair
+    assert rank_replicas(keys, [], imbalance=4) == []
