@@ -115,6 +115,12 @@ class ChunkStore(TieredChunks):
                 "pick a divisor of head_dim (or leave group_size=None)"
             )
 
+    def held_keys(self, prefix_bytes: int = 8) -> set[bytes]:
+        """Every chunk key the local tiers (RAM, disk) hold, cut to ``prefix_bytes``: what a replica reports
+        to a prefix-aware router (:mod:`kvboost_hf.cluster.routing`)."""
+        with self._lock:
+            return {key[:prefix_bytes] for key in self._index}
+
     def stored_prefix_length(self, namespace: Key, token_ids: Sequence[int], *, shared: Key | None = None) -> int:
         """Leading tokens of ``token_ids`` the local tiers (RAM, disk) know for ``namespace`` (after the
         ``shared`` chain's, see :meth:`lookup`): an estimate from the index alone (nothing is loaded or
