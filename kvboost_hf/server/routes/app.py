@@ -197,19 +197,20 @@ class _AuthAndCount:
         token = token.strip()
         if not value:
             message = "missing API key: send 'Authorization: Bearer <key>'"
-        elif scheme.lower() != "bearer":
-            message = "incorrect API key provided"
-        elif self.keyring is not None:
-            grant = self.keyring.grant_for(token)
-            if grant is not None:
-                scope.setdefault("state", {})["grant"] = grant  # request.state.grant
-                return None
-            message = "incorrect API key provided"
-        elif hmac.compare_digest(token.encode(), self.api_key.encode()):
+        elif scheme.lower() == "bearer" and self._accepts(scope, token):
             return None
         else:
             message = "incorrect API key provided"
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def _accepts(self, scope, token: str) -> bool:
+        """Whether ``token`` is the one key, or one of ``--api-keys`` (its grant then goes to request.state.grant)."""
+        if self.keyring is None:
+            return hmac.compare_digest(token.encode(), self.api_key.encode())
+        grant = self.keyring.grant_for(token)
+        if grant is not None:
+            scope.setdefault("state", {})["grant"] = grant
+        return grant is not None
 
     async def _bounded_body(self, scope, receive):
         """``(413 error or None, receive)``: the body read up to ``max_body_bytes`` (Content-Length is

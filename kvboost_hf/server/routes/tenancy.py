@@ -40,7 +40,7 @@ class Tenancy:
         self._quota_owners: set[str] = set()
         self.metrics = None
         if keyring is not None:
-            self.metrics = TenantMetrics(registry, self._tenant_bytes, self._tenant_quotas)
+            self.metrics = TenantMetrics(registry, self._tenant_bytes, store.quotas)
             self.sync_quotas()
 
     @property
@@ -129,9 +129,6 @@ class Tenancy:
 
     def _tenant_bytes(self) -> dict[str, int]:
         return {owner: n for owner, n in self.store.owner_bytes().items() if isinstance(owner, str)}
-
-    def _tenant_quotas(self) -> dict[str, int]:
-        return self.store.quotas()
 
     # ------------------------------------------------------------------ purge
     def purge(self, grant: Grant | None, tenant: str | None, shared: bool = False) -> dict:
