@@ -123,7 +123,8 @@ def _awq_pack(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvboost_hf.server.command import ServeError, serve
+    from kvboost_hf.server.command import ServeError
+    from kvboost_hf.server.launch import serve
 
     logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())
     try:

@@ -71,13 +71,13 @@ def nothing_slow(monkeypatch):
     import transformers
 
     import kvboost_hf.models
-    import kvboost_hf.server.command
+    import kvboost_hf.server.launch
 
     def reached(*args, **kwargs):
         raise AssertionError("a bad flag got as far as loading a model")
 
     monkeypatch.setattr(kvboost_hf.models, "load_model", reached)
-    monkeypatch.setattr(kvboost_hf.server.command, "load_served_model", reached)
+    monkeypatch.setattr(kvboost_hf.server.launch, "load_served_model", reached)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", reached)
 
 

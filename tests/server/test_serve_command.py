@@ -16,9 +16,9 @@ from kvboost_hf.server.command import (
     available_cores,
     build_store,
     scheduler_of,
-    warm_texts,
     worker_settings,
 )
+from kvboost_hf.server.launch import warm_texts
 from tests.conftest import make_tiny, start_redis
 from tests.server.conftest import MODEL_NAME, cycle_words, save_tiny_model, serve, server_process, tiny_tokenizer
 
@@ -116,7 +116,7 @@ def test_serve_applies_omp_num_threads(monkeypatch):
     """The whole serve() path, with the model loader and uvicorn replaced: the app's settings carry the threads."""
     import uvicorn
 
-    import kvboost_hf.server.command as command
+    import kvboost_hf.server.launch as command
 
     ran = {}
     monkeypatch.setenv("OMP_NUM_THREADS", str(available_cores() + 1))
@@ -131,7 +131,7 @@ def test_serve_applies_omp_num_threads(monkeypatch):
 def test_bad_omp_num_threads_is_one_line(monkeypatch, capsys):
     import uvicorn
 
-    import kvboost_hf.server.command as command
+    import kvboost_hf.server.launch as command
 
     def reached(*args, **kwargs):
         raise AssertionError("a bad OMP_NUM_THREADS got as far as loading the model")

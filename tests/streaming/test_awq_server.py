@@ -8,7 +8,8 @@ import shutil
 import httpx
 import pytest
 
-from kvboost_hf.server.command import ServeError, add_serve_arguments, load_served_model
+from kvboost_hf.server.command import ServeError, add_serve_arguments
+from kvboost_hf.server.launch import load_served_model
 from kvboost_hf.streaming import is_streaming_model
 from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
 

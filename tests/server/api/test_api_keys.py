@@ -86,12 +86,12 @@ def test_sighup_reloads_the_tenancy(tmp_path):
 
 
 def test_the_cli_refuses_a_bad_key_file_before_loading_anything(tmp_path, capsys, monkeypatch):
-    import kvboost_hf.server.command
+    import kvboost_hf.server.launch
 
     def reached(*args, **kwargs):
         raise AssertionError("a bad key file got as far as loading a model")
 
-    monkeypatch.setattr(kvboost_hf.server.command, "load_served_model", reached)
+    monkeypatch.setattr(kvboost_hf.server.launch, "load_served_model", reached)
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({SECRET_KEY: {"tenant": "no spaces please"}}))
     for argv, says in ((["serve", "--api-keys", str(path)], "entry 1: 'tenant' must be"),

@@ -155,7 +155,7 @@ def test_shared_prefixes_are_the_only_entries_two_tenants_both_hit(tenants_serve
 
 
 def test_startup_warming_is_shared_and_an_admin_may_purge_shared_entries(tenants_server):
-    from kvboost_hf.server.command import warm_texts
+    from kvboost_hf.server.launch import warm_texts
 
     server = tenants_server
     system = text(800, 48)
