@@ -121,6 +121,12 @@ class ChunkStore(TieredChunks):
         with self._lock:
             return {key[:prefix_bytes] for key in self._index}
 
+    def chain_ends(self, namespace: Key) -> set[int]:
+        """Lengths in tokens of the chains of ``namespace`` the local tiers hold that nothing continues:
+        where stored texts end (a router cuts a shared prefix's last chunk there, as a lookup would)."""
+        with self._lock:
+            return {len(ids) for _, ids in self._index.chains(namespace)}
+
     def stored_prefix_length(self, namespace: Key, token_ids: Sequence[int], *, shared: Key | None = None) -> int:
         """Leading tokens of ``token_ids`` the local tiers (RAM, disk) know for ``namespace`` (after the
         ``shared`` chain's, see :meth:`lookup`): an estimate from the index alone (nothing is loaded or

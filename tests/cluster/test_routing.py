@@ -54,3 +54,27 @@ def test_without_a_hit_two_random_replicas_the_less_loaded_first():
     firsts = {rank_replicas(keys, reports, imbalance=4, rng=random.Random(seed))[0][0] for seed in range(40)}
     assert firsts == {"b", "c"}  # "a", the busiest, is never first: it always loses its pair
     assert rank_replicas(keys, [], imbalance=4) == []
+
+
+def test_prompt_keys_follow_shared_prefixes_as_the_store_does():
+    from kvboost_hf.cluster.routing import Keying
+    from kvboost_hf.store.scope import CacheScope
+
+    keying = Keying(NS, 8, turn_tokens=(21,))
+    alice = CacheScope(owner="alice", shared_salt="shared")
+    bob = CacheScope(owner="bob", shared_salt="shared")
+    system = TOKENS[:16]
+    store = ChunkStore(max_bytes=10**6, chunk_size=8)
+    shared_root = CacheScope(salt="shared").root(NS)
+    store.insert(shared_root, system, fake_states(system), boundaries=keying.prompt_keys(system).bounds)
+    store.insert(alice.root(NS), TOKENS, fake_states(TOKENS), boundaries=keying.prompt_keys(TOKENS).bounds,
+                 shared=alice.shared_root(NS))
+    ends = store.chain_ends(shared_root)
+    assert ends == {16}
+    hits = store.lookup(alice.root(NS), TOKENS, shared=alice.shared_root(NS))
+    assert len(hits) == len(store.entries()) == 5  # 3 shared chunks (the last ends with the system text), 2 own
+    assert keying.prompt_keys(TOKENS, alice).matched(held(store), ends) == 5
+    assert keying.prompt_keys(TOKENS, alice).matched(held(store)) == 2  # not told where the shared text ends
+    assert keying.prompt_keys(TOKENS, bob).matched(held(store), ends) == 3  # bob: the shared chunks only
+    assert keying.prompt_keys(TOKENS, CacheScope(owner="alice")).matched(held(store), ends) == 0  # no shared root
+    assert Keying.from_dict(keying.as_dict()) == keying
