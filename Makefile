@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench,clients]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench,clients,ray]'
 	# Structured output's xgrammar without its triton dependency (1 GB, GPU kernels only: the grammar
 	# mask runs on CPU tensors); apache-tvm-ffi is its one runtime dependency not already installed.
 	$(BIN)/pip install --quiet -c constraints.txt --no-deps xgrammar apache-tvm-ffi

@@ -128,6 +128,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())
     try:
+        if args.ray:
+            from kvboost_hf.cluster.app import serve_on_ray
+
+            return serve_on_ray(args)
         return serve(args)
     except ServeError as err:
         return _fail("serve", str(err))

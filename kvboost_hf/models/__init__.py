@@ -11,6 +11,7 @@ from kvboost_hf.models.loading import (
     default_model_path,
     load_default_model,
     load_model,
+    load_tokenizer,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "default_model_path",
     "load_default_model",
     "load_model",
+    "load_tokenizer",
 ]

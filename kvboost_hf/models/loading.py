@@ -102,15 +102,24 @@ def load_model(
     device: str | torch.device | None = None,
 ):
     """``(model, tokenizer)`` for an HF model id or local path; ``None`` means the embedded default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = default_model_path() if model_id_or_path is None else model_id_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(model_id_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if device is not None:
         model = model.to(device)
-    if model_id_or_path is None and tokenizer.chat_template is None:
-        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     model.eval()
     return model, tokenizer
+
+
+def load_tokenizer(model_id_or_path: str | os.PathLike | None = None):
+    """The tokenizer :func:`load_model` returns (the embedded model's with its chat template for ``None``)."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path() if model_id_or_path is None else model_id_or_path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if model_id_or_path is None and tokenizer.chat_template is None:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    return tokenizer
 

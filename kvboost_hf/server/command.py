@@ -121,6 +121,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="self-draft LM head restricted to the N most frequent tokens (FR-Spec)")
     spec.add_argument("--draft-layers", type=int, default=None, metavar="N",
                       help="self-draft keeps the first N decoder layers")
+    ray = parser.add_argument_group("Ray Serve (pip install 'kvboost_hf[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve as a Ray Serve application of --replicas model replicas (local Ray unless --ray-address)")
+    ray.add_argument("--replicas", type=int, default=None, help="--ray: model replicas (default 1)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="--ray: join this Ray cluster (e.g. auto, ray://head:10001) instead of starting one")
+    ray.add_argument("--cpus-per-replica", type=float, default=None,
+                     help="--ray: CPUs Ray reserves per replica, also its torch threads (default 1)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="--ray: autoscale down to this many replicas")
+    ray.add_argument("--max-replicas", type=int, default=None, help="--ray: autoscale up to this many replicas")
+    ray.add_argument("--router", choices=["prefix", "pow2"], default=None,
+                     help="--ray: prefix (default): to the replica whose store holds the longest prefix of the "
+                          "prompt's chunks; pow2: Ray Serve's power of two choices")
+    ray.add_argument("--router-imbalance", type=int, default=None, metavar="N",
+                     help="--ray --router prefix: a holder more than N requests busier than the least busy "
+                          "replica loses its turn (default 4)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log level of kvboost_hf and uvicorn")
 
@@ -189,8 +205,37 @@ def check_serve_args(args: argparse.Namespace) -> None:
         if unused:
             raise ServeError(f"{' / '.join(unused)}: only the memory planner uses them; drop --no-memory-planning "
                              "or drop them")
+    check_ray_flags(args)
     if getattr(args, "awq_streaming", None) is None:  # a plain load stays on the CPU: RSS is what the limit bounds
         check_memory_limit(sizes["memory_limit"], "before loading the model")
+
+
+RAY_DEFAULTS = {"replicas": 1, "cpus_per_replica": 1.0, "router": "prefix", "router_imbalance": 4}
+_RAY_ONLY = {"ray_address": "--ray-address", "min_replicas": "--min-replicas", "max_replicas": "--max-replicas",
+             **{name: "--" + name.replace("_", "-") for name in RAY_DEFAULTS}}
+
+
+def check_ray_flags(args: argparse.Namespace) -> None:
+    """The ``--ray`` flags: refused without ``--ray``; with it, defaults filled in and ranges checked."""
+    if not getattr(args, "ray", False):
+        used = [flag for name, flag in _RAY_ONLY.items() if getattr(args, name, None) is not None]
+        if used:
+            raise ServeError(f"{' / '.join(used)} only apply with --ray: add --ray or drop them")
+        return
+    for name, default in RAY_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.replicas < 1:
+        raise ServeError(f"--replicas {args.replicas}: must be 1 or more")
+    if args.cpus_per_replica <= 0:
+        raise ServeError(f"--cpus-per-replica {args.cpus_per_replica}: must be more than 0")
+    low, high = args.min_replicas, args.max_replicas
+    if (low is not None and low < 0) or (high is not None and high < 1):
+        raise ServeError("--min-replicas must be 0 or more and --max-replicas 1 or more")
+    if low is not None and high is not None and low > high:
+        raise ServeError(f"--min-replicas {low} is more than --max-replicas {high}")
+    if args.router_imbalance < 0:
+        raise ServeError(f"--router-imbalance {args.router_imbalance}: must be 0 or more")
 
 
 def check_memory_limit(limit: int | None, when: str) -> None:

@@ -282,6 +282,11 @@ class ChatCompletionRequest(SamplingRequest):
         return choice
 
     @property
+    def offered_tools(self) -> list[dict]:
+        """The tools the prompt shows the model, as dicts (none with ``tool_choice: "none"``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []] if self.tool_choice != "none" else []
+
+    @property
     def forced_tool(self) -> tuple[bool, str | None]:
         """(whether a tool call is forced, the forced function's name or None for any tool)."""
         if self.tool_choice == "required":

@@ -45,3 +45,23 @@ async def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation
     except Exception as err:  # jinja raise_exception: e.g. roles must alternate
         raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
     return list(encoded["input_ids"])
+
+
+async def routed_prompt_ids(tokenizer, path: str, body: dict) -> list[int] | None:
+    """The prompt ids the server gives a ``/v1/completions`` (its first prompt) or ``/v1/chat/completions``
+    body, as a router in front of replicas computes them; None for other routes and for bodies the server
+    would refuse (the replica answers those)."""
+    from pydantic import ValidationError
+
+    from kvboost_hf.server.api.requests import ChatCompletionRequest, CompletionRequest
+
+    try:
+        if path == "/v1/chat/completions":
+            chat = ChatCompletionRequest.model_validate(body)
+            return await chat_prompt_ids(tokenizer, chat.messages, tools=chat.offered_tools or None)
+        if path == "/v1/completions":
+            completion = CompletionRequest.model_validate(body)
+            return await completion_prompt_ids(tokenizer, completion.prompt[0], len(tokenizer))
+    except (ValidationError, APIError, ValueError, TypeError, IndexError):
+        return None
+    return None

@@ -218,7 +218,7 @@ class Service:
 
     async def chat_completion(self, body: schemas.ChatCompletionRequest, request: Request):
         self.check_model_name(body.model)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+        tools = body.offered_tools
         prompt_ids = await self.chat_prompt(body.messages, tools=tools or None)
         self.check_prompt_length(len(prompt_ids))
         params = self.sampling(body, len(prompt_ids), self.settings.default_max_tokens,
