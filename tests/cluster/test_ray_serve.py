@@ -1,0 +1,175 @@
+"""``kvboost-hf serve --ray`` on a local Ray with 2 CPUs: the same app as one process (routes, errors,
+auth, streams), exact prefix routing keeps a conversation on the replica that holds it, tenants'
+keys route apart, a replica killed mid-stream gives a clean error and comes back, and stopping
+drains a running stream."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from kvboost_hf.cli import build_parser
+from tests.cluster.conftest_ray import kill_replica, ray_server, replicas
+from tests.server.conftest import cycle_words, save_tiny_model
+
+KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-admin": {"tenant": "ops", "admin": True}}
+FLAGS = ("--chunk-size", "8", "--max-cache-bytes", "64MB")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ray-model")
+    save_tiny_model(path, seed=11)
+    keys = path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    with ray_server("--replicas", "2", "--model", str(model_dir), "--api-keys", str(model_dir / "keys.json"),
+                    *FLAGS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def one_process(model_dir):
+    from kvboost_hf.server.launch import build_app
+
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--api-keys", str(model_dir / "keys.json"),
+                                      *FLAGS])
+    with TestClient(build_app(args)) as client:
+        yield client
+
+
+def timeless(value):
+    """``value`` without what differs per call: ids and times."""
+    if isinstance(value, dict):
+        return {k: timeless(v) for k, v in value.items() if k not in ("id", "created")}
+    if isinstance(value, list):
+        return [timeless(v) for v in value]
+    return value
+
+
+def comparable(response) -> tuple:
+    """Status, media type and body of a response, without what differs per call (ids, times)."""
+    kind = response.headers.get("content-type", "").split(";")[0]
+    if kind == "application/json":
+        body = timeless(response.json())
+    elif kind == "text/event-stream":
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        body = [e if e == "[DONE]" else timeless(json.loads(e)) for e in events]
+    else:
+        body = response.text
+    return response.status_code, kind, body
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": cycle_words(30)}], "max_tokens": 6, "temperature": 0}
+CASES = [
+    ("POST", "/v1/completions", {"model": "m", "prompt": cycle_words(40), "max_tokens": 6, "temperature": 0}, "key-alice"),
+    ("POST", "/v1/chat/completions", CHAT, "key-alice"),
+    ("POST", "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True}}, "key-bob"),
+    ("POST", "/v1/completions", {"model": "m", "prompt": "w1 w2", "max_tokens": 2}, None),  # 401
+    ("POST", "/v1/completions", {"model": "m", "prompt": "w1 w2", "max_tokens": -1}, "key-alice"),  # 400
+    ("POST", "/v1/completions", {"model": "m", "prompt": "w1", "cache_salt": "a\x01b"}, "key-alice"),  # 400
+    ("POST", "/v1/completions", {"model": "m", "prompt": "w1"}, "not-a-key"),  # 401
+    ("POST", "/v1/warm", {"text": cycle_words(20), "shared": True}, "key-bob"),  # 403: not an admin
+    ("GET", "/v1/models", None, "key-alice"),
+    ("GET", "/v1/nothing", None, "key-alice"),
+    ("GET", "/health", None, None),
+    ("POST", "/tokenize", {"model": "m", "prompt": "w1 w2 w3"}, "key-alice"),
+]
+
+
+def test_every_route_answers_as_in_one_process(cluster, one_process, model_dir):
+    for method, path, body, key in CASES:
+        body = json.loads(json.dumps(body).replace('"m"', json.dumps(str(model_dir)))) if body else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        ray_reply = httpx.request(method, cluster.url + path, json=body, headers=headers, timeout=120)
+        local = one_process.request(method, path, json=body, headers=headers)
+        assert comparable(ray_reply) == comparable(local), (method, path)
+        assert ray_reply.headers["x-kvboost-replica"] in replicas()  # every response names its replica
+    metrics = httpx.get(cluster.url + "/metrics", timeout=60)
+    assert metrics.status_code == 200 and "kvboost_requests_total" in metrics.text
+
+
+def conversation(server, model: str, key: str, topic: int, turns: int) -> list[tuple[str, int]]:
+    """``turns`` chat turns growing one history; (replica, cached tokens) of each."""
+    messages, seen = [], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": cycle_words(24, start=topic * 100 + turn * 7)})
+        reply = server.post("/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 4,
+                                                     "temperature": 0}, key=key)
+        assert reply.status_code == 200, reply.text
+        messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
+        seen.append((reply.headers["x-kvboost-replica"], reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        time.sleep(1.2)  # past a routing-stats period: the replica has reported the turn's chunks
+    return seen
+
+
+def test_a_conversation_stays_on_the_replica_that_holds_it(cluster, model_dir):
+    for topic in range(4):
+        seen = conversation(cluster, str(model_dir), "key-alice", topic, turns=3)
+        replicas = {replica for replica, _ in seen}
+        assert len(replicas) == 1, seen  # every follow-up went where its history is
+        assert all(cached > 0 for _, cached in seen[1:]), seen
+
+
+def test_another_tenants_prompt_is_routed_without_its_keys(cluster, model_dir):
+    """Bob sends alice's exact conversation: the router computes his keys under his root, so it finds no
+    holder (no hint of where alice's prefix lives) and the replica serves him nothing of hers."""
+    fresh = conversation(cluster, str(model_dir), "key-bob", 41, turns=1)  # bob's own template tokens only
+    seen = conversation(cluster, str(model_dir), "key-alice", 40, turns=2)
+    bob = conversation(cluster, str(model_dir), "key-bob", 40, turns=1)
+    assert bob[0][1] == fresh[0][1] < seen[1][1]
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_cleanly_and_comes_back(cluster, model_dir):
+    body = {"model": str(model_dir), "prompt": cycle_words(20, start=500), "max_tokens": 450, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    events, started = [], time.monotonic()
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body,
+                      headers={"Authorization": "Bearer key-alice"}, timeout=60) as stream:
+        assert stream.status_code == 200
+        victim = stream.headers["x-kvboost-replica"]
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    kill_replica(victim)
+    assert time.monotonic() - started < 60  # no hang
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "replica_failed" and error["type"] == "server_error"
+    for _ in range(6):  # meanwhile every request is served by the survivor (or a retry), none fails
+        ok = cluster.post("/v1/completions", {"model": str(model_dir), "prompt": cycle_words(12), "max_tokens": 2},
+                          key="key-alice")
+        assert ok.status_code == 200, ok.text
+    deadline = time.monotonic() + 120
+    while (len(replicas()) < 2 or victim in replicas()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert len(replicas()) == 2 and victim not in replicas()  # Ray started a new replica
+
+
+def test_stopping_drains_a_running_stream(cluster, model_dir):
+    """Last in this module: it stops the application."""
+    body = {"model": str(model_dir), "prompt": cycle_words(20, start=900), "max_tokens": 300, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    events = []
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body,
+                      headers={"Authorization": "Bearer key-alice"}, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    threading.Thread(target=cluster.stop.set).start()
+    assert events[-1] == "[DONE]"
+    finish = [json.loads(e)["choices"][0].get("finish_reason") for e in events[:-1] if json.loads(e).get("choices")]
+    assert finish[-1] == "length"
+    cluster.thread.join(120)
+    assert not cluster.thread.is_alive()
