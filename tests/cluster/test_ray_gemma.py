@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-
 from tests.cluster.conftest_ray import ray_server
 from tests.server.conftest import serve
 
