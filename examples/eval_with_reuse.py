@@ -4,7 +4,8 @@
 documents; every process reads and writes one disk directory (or one Redis), so a document one
 process prefilled is reused by the others.
 
-    accelerate launch --num_processes 2 examples/eval_with_reuse.py
+    accelerate launch --num_processes 2 examples/eval_with_reuse.py            # on GPUs
+    accelerate launch --multi_gpu --num_processes 2 examples/eval_with_reuse.py  # 2 CPU processes (gloo)
     accelerate launch --num_processes 2 examples/eval_with_reuse.py --remote redis://127.0.0.1:6379/0
     python examples/eval_with_reuse.py --model_name_or_path gpt2 --shared_dir /tmp/kv
 
@@ -52,7 +53,7 @@ class Arguments:
 def main() -> None:
     (args,) = HfArgumentParser(Arguments).parse_args_into_dataclasses()
     logging.basicConfig(level=logging.WARNING)
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())  # CPU processes join over gloo
     shared_dir = args.shared_dir
     if shared_dir is None and args.remote is None:  # one temp dir, named by the main process for all
         name = [tempfile.mkdtemp(prefix="kvboost-eval-")] if state.is_main_process else [None]
