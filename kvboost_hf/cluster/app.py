@@ -16,7 +16,7 @@ import threading
 
 from kvboost_hf.cluster.ingress import Ingress
 from kvboost_hf.cluster.replica import ModelReplica
-from kvboost_hf.server.command import ServeError, check_serve_args
+from kvboost_hf.server.command import ServeError, check_serve_args, served_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def build_application(args: argparse.Namespace):
     """The Serve application the flags describe: an ingress in front of ``--replicas`` model replicas."""
     from ray import serve
 
-    threads = args.torch_threads or max(1, int(args.cpus_per_replica))
+    threads = max(1, int(args.cpus_per_replica))  # build_app keeps --torch-threads when it is given
     replicas = serve.deployment(ModelReplica, **replica_options(args)).bind(args, threads)
     ingress = serve.deployment(Ingress, name="kvboost-ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
@@ -89,7 +89,7 @@ def serve_on_ray(args: argparse.Namespace, ready: threading.Event | None = None,
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
-        print(f"serving {args.served_model_name or args.model or 'gemma-3-270m'} on http://{args.host}:{args.port}/v1 "
+        print(f"serving {served_model_name(args)} on http://{args.host}:{args.port}/v1 "
               f"({args.replicas} Ray Serve replica(s), router {args.router})", file=sys.stderr, flush=True)
         if ready is not None:
             ready.set()

@@ -17,8 +17,6 @@ from kvboost_hf.cluster.routing import KEY_PREFIX_BYTES, Keying
 from kvboost_hf.cluster.watch import FileWatch
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.reuse.state import reuse_state
-from kvboost_hf.server.routes.tenancy import SHARED_SALT
-from kvboost_hf.store.scope import CacheScope
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +45,13 @@ class ModelReplica:
         self._key_file = FileWatch(args.api_keys) if getattr(args, "api_keys", None) else None
         self._lifespan = self.app.router.lifespan_context(self.app)
         self._started: asyncio.Task | None = None
-        state = reuse_state(self.app.state.service.model)
         model = self.app.state.service.model
-        store = self.app.state.store
+        state = reuse_state(model)
         self.keying = None if state is None else Keying(
-            namespace(model), store.chunk_size, tuple(state.turn_tokens), tuple(state.separator),
+            namespace(model), self.app.state.store.chunk_size, tuple(state.turn_tokens), tuple(state.separator),
             tuple(state.leading_special))
-        self._shared_root = None if self.keying is None else (
-            CacheScope(salt=SHARED_SALT).root(self.keying.namespace))
+        shared = self.app.state.tenancy.startup_scope()  # the shared entries' scope (with tenants only)
+        self._shared_root = None if self.keying is None or shared is None else shared.root(self.keying.namespace)
         logger.info("replica %s ready", self.name)
 
     async def _start(self) -> None:

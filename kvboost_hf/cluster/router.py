@@ -21,10 +21,9 @@ from kvboost_hf.cluster.forwarding import ForwardedRequest
 from kvboost_hf.cluster.routing import KEY_PREFIX_BYTES, Keying, PromptKeys, ReplicaReport, rank_replicas
 from kvboost_hf.cluster.watch import FileWatch
 from kvboost_hf.models import load_tokenizer
-from kvboost_hf.server.api.keys import KeyRing
-from kvboost_hf.server.routes.prompts import routed_prompt_ids
-from kvboost_hf.server.routes.tenancy import SHARED_SALT
-from kvboost_hf.store.scope import CacheScope
+from kvboost_hf.server.api.keys import Grant, KeyRing, bearer_token
+from kvboost_hf.server.routes.prompts import routed_prompt
+from kvboost_hf.server.routes.tenancy import tenant_scope
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +37,14 @@ def split_held(blob: bytes) -> frozenset[bytes]:
     return frozenset(blob[i:i + KEY_PREFIX_BYTES] for i in range(0, len(blob), KEY_PREFIX_BYTES))
 
 
-def request_scope(request: ForwardedRequest, body: dict, keyring: KeyRing | None) -> CacheScope | None | bool:
-    """The scope a replica gives ``request`` (as :meth:`Tenancy.scope`, without the epoch, which no key
-    depends on); False when it will be refused (unknown key, malformed salt): route it anywhere."""
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt.isprintable() or not salt):
-        return False
+def request_grant(request: ForwardedRequest, keyring: KeyRing | None) -> Grant | None | bool:
+    """The grant of ``request``'s bearer key (None without tenants); False when the replica will refuse
+    the key: route it anywhere, without tokenizing it."""
     if keyring is None:
-        return None if salt is None else CacheScope(salt=salt)
-    scheme, _, token = request.header(b"authorization").strip().partition(" ")
-    grant = keyring.grant_for(token.strip()) if scheme.lower() == "bearer" else None
-    if grant is None:
-        return False
-    return CacheScope(salt=salt, owner=grant.tenant.name, shared_salt=SHARED_SALT)
+        return None
+    token = bearer_token(request.header(b"authorization"))
+    grant = keyring.grant_for(token) if token is not None else None
+    return False if grant is None else grant
 
 
 class PrefixRouter(FIFOMixin, RequestRouter):
@@ -110,11 +104,14 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         if body is None:
             return None
         self._reload_keys()
-        scope = request_scope(request, body, self._keyring)
-        if scope is False:
+        grant = request_grant(request, self._keyring)
+        if grant is False:
             return None
-        ids = await routed_prompt_ids(await self._get_tokenizer(), request.path, body)
-        return None if not ids else keying.prompt_keys(ids, scope)
+        routed = await routed_prompt(await self._get_tokenizer(), request.path, body)
+        if routed is None or not routed[0]:
+            return None
+        ids, salt = routed  # the scope as Tenancy.scope builds it (no key depends on its epoch)
+        return keying.prompt_keys(ids, tenant_scope(grant, salt))
 
     async def _get_tokenizer(self):
         async with self._tokenizer_lock:

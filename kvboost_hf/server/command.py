@@ -19,6 +19,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name clients send as ``model``: ``--served-model-name``, else ``--model``, else the embedded model's."""
+    return args.served_model_name or args.model or DEFAULT_MODEL_NAME
+
+
 class ServeError(Exception):
     """A set-up problem to report on the command line (bad flag value, store refused its settings)."""
 
@@ -123,7 +128,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="self-draft keeps the first N decoder layers")
     ray = parser.add_argument_group("Ray Serve (pip install 'kvboost_hf[ray]')")
     ray.add_argument("--ray", action="store_true",
-                     help="serve as a Ray Serve application of --replicas model replicas (local Ray unless --ray-address)")
+                     help="serve as a Ray Serve application of --replicas model replicas "
+                          "(local Ray unless --ray-address)")
     ray.add_argument("--replicas", type=int, default=None, help="--ray: model replicas (default 1)")
     ray.add_argument("--ray-address", default=None, metavar="ADDR",
                      help="--ray: join this Ray cluster (e.g. auto, ray://head:10001) instead of starting one")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from kvboost_hf.cli_checks import first_line
 from kvboost_hf.server.command import (
-    DEFAULT_MODEL_NAME,
     ServeError,
     build_store,
     check_memory_limit,
@@ -22,6 +21,7 @@ from kvboost_hf.server.command import (
     omp_threads,
     scheduler_of,
     serve_sizes,
+    served_model_name,
     worker_settings,
 )
 
@@ -126,7 +126,7 @@ def build_app(args: argparse.Namespace, torch_threads: int | None = None):
         threads["torch_threads"] = torch_threads
     try:
         settings = ServerSettings(
-            model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+            model_name=served_model_name(args),
             api_key=args.api_key,
             api_keys_file=getattr(args, "api_keys", None),
             reuse=not args.no_reuse,

@@ -86,6 +86,12 @@ def parse_key_file(text: str, source: str = "the API key file") -> list[Grant]:
     return grants
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header value (None for another scheme or none)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 class KeyRing:
     """The keys in force, read from ``path`` (at start, and again on :meth:`reload`)."""
 

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from kvboost_hf.generation import disable_chunk_reuse, enable_chunk_reuse
 from kvboost_hf.server.api import requests as schemas
 from kvboost_hf.server.api.errors import APIError, install_error_handlers
-from kvboost_hf.server.api.keys import KeyRing
+from kvboost_hf.server.api.keys import KeyRing, bearer_token
 from kvboost_hf.server.observability.metrics import ServerMetrics
 from kvboost_hf.server.observability.store_metrics import RemoteStoreCollector
 from kvboost_hf.server.observability.streaming_metrics import StreamingCollector, streaming_snapshot
@@ -193,11 +193,10 @@ class _AuthAndCount:
             return None
         headers = dict(scope.get("headers") or [])
         value = headers.get(b"authorization", b"").decode("latin-1").strip()
-        scheme, _, token = value.partition(" ")
-        token = token.strip()
+        token = bearer_token(value)
         if not value:
             message = "missing API key: send 'Authorization: Bearer <key>'"
-        elif scheme.lower() == "bearer" and self._accepts(scope, token):
+        elif token is not None and self._accepts(scope, token):
             return None
         else:
             message = "incorrect API key provided"

@@ -47,10 +47,10 @@ async def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation
     return list(encoded["input_ids"])
 
 
-async def routed_prompt_ids(tokenizer, path: str, body: dict) -> list[int] | None:
-    """The prompt ids the server gives a ``/v1/completions`` (its first prompt) or ``/v1/chat/completions``
-    body, as a router in front of replicas computes them; None for other routes and for bodies the server
-    would refuse (the replica answers those)."""
+async def routed_prompt(tokenizer, path: str, body: dict) -> tuple[list[int], str | None] | None:
+    """``(prompt ids, cache_salt)`` the server gives a ``/v1/completions`` (its first prompt) or
+    ``/v1/chat/completions`` body, as a router in front of replicas computes them; None for other routes
+    and for bodies the server would refuse, a malformed ``cache_salt`` included (the replica answers those)."""
     from pydantic import ValidationError
 
     from kvboost_hf.server.api.requests import ChatCompletionRequest, CompletionRequest
@@ -58,10 +58,11 @@ async def routed_prompt_ids(tokenizer, path: str, body: dict) -> list[int] | Non
     try:
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(body)
-            return await chat_prompt_ids(tokenizer, chat.messages, tools=chat.offered_tools or None)
+            return await chat_prompt_ids(tokenizer, chat.messages, tools=chat.offered_tools or None), chat.cache_salt
         if path == "/v1/completions":
             completion = CompletionRequest.model_validate(body)
-            return await completion_prompt_ids(tokenizer, completion.prompt[0], len(tokenizer))
+            ids = await completion_prompt_ids(tokenizer, completion.prompt[0], len(tokenizer))
+            return ids, completion.cache_salt
     except (ValidationError, APIError, ValueError, TypeError, IndexError):
         return None
     return None

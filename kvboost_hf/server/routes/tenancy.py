@@ -31,6 +31,14 @@ SHARED_SALT = "\x00kvboost-shared"
 MAX_SHARED_LISTED = 256
 
 
+def tenant_scope(grant: Grant | None, cache_salt: str | None, epoch: int | None = None) -> CacheScope | None:
+    """The scope of a request of ``grant`` (None: no tenants) with ``cache_salt``: the tenant owns its
+    entries and reads the shared ones first. ``epoch`` does not change any key (a router leaves it None)."""
+    if grant is None:
+        return None if cache_salt is None else CacheScope(salt=cache_salt)
+    return CacheScope(salt=cache_salt, owner=grant.tenant.name, shared_salt=SHARED_SALT, epoch=epoch)
+
+
 class Tenancy:
     """Scopes, quotas, shared prefixes, purges and per-tenant figures of one app (``keyring`` None: one tenant)."""
 
@@ -87,10 +95,8 @@ class Tenancy:
     # ------------------------------------------------------------------ scopes
     def scope(self, grant: Grant | None, cache_salt: str | None) -> CacheScope | None:
         """Whose entries a request of ``grant`` with ``cache_salt`` reads and feeds."""
-        if grant is None:
-            return None if cache_salt is None else CacheScope(salt=cache_salt)
-        owner = grant.tenant.name  # a purge from now on also drops what this request stores
-        return CacheScope(salt=cache_salt, owner=owner, shared_salt=SHARED_SALT, epoch=self.store.epoch(owner))
+        # the owner's epoch now: a purge from now on also drops what this request stores
+        return tenant_scope(grant, cache_salt, None if grant is None else self.store.epoch(grant.tenant.name))
 
     def shared_scope(self, grant: Grant | None) -> CacheScope:
         """The scope of a ``"shared": true`` warm: 400 without tenants, 403 for a non-admin key."""
