@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import threading
@@ -34,9 +35,12 @@ SETTINGS = [  # (name, replicas, cpus per replica, router, redis)
     ("1 replica x 2 CPUs", 1, 2.0, "pow2", False),
     ("2 x 1 CPU, prefix", 2, 1.0, "prefix", False),
     ("2 x 1 CPU, pow2", 2, 1.0, "pow2", False),
+    ("4 x 0.5 CPU, prefix", 4, 0.5, "prefix", False),
+    ("4 x 0.5 CPU, pow2", 4, 0.5, "pow2", False),
     ("2 x 1 CPU, prefix + Redis", 2, 1.0, "prefix", True),
     ("2 x 1 CPU, pow2 + Redis", 2, 1.0, "pow2", True),
 ]
+METRICS = ("cached_fraction", "ttft_p50_ms", "ttft_p95_ms", "completion_tok_s", "handovers", "wall_s")
 
 
 def start(port: int, replicas: int, cpus: float, router: str, redis_url: str | None, chunk: int):
@@ -89,7 +93,8 @@ def one_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
             "completion": usage["completion_tokens"]}
 
 
-def client(url: str, docs: list[str], questions: list[str], turns: int, max_tokens: int) -> list[list[dict]]:
+def client(url: str, docs: list[str], questions: list[str], turns: int, max_tokens: int, think: random.Random,
+           think_ms: float) -> list[list[dict]]:
     """One client's conversations, turn by turn, round robin over its conversations."""
     histories = [[{"role": "user", "content": f"{doc}\n\n{questions[0]}"}] for doc in docs]
     results: list[list[dict]] = [[] for _ in docs]
@@ -97,16 +102,20 @@ def client(url: str, docs: list[str], questions: list[str], turns: int, max_toke
         for c, history in enumerate(histories):
             if turn:
                 history.append({"role": "user", "content": questions[turn % len(questions)]})
+                if think_ms:
+                    time.sleep(think.expovariate(1000 / think_ms))
             got = one_turn(url, history, max_tokens)
             history.append({"role": "assistant", "content": got["text"]})
             results[c].append(got)
     return results
 
 
-def run_setting(url: str, work: list[list[str]], questions: list[str], turns: int, max_tokens: int) -> dict:
+def run_setting(url: str, work: list[list[str]], questions: list[str], turns: int, max_tokens: int,
+                think_ms: float) -> dict:
     started = time.perf_counter()
     with ThreadPoolExecutor(len(work)) as pool:
-        per_client = list(pool.map(lambda docs: client(url, docs, questions, turns, max_tokens), work))
+        per_client = list(pool.map(lambda c: client(url, work[c], questions, turns, max_tokens, random.Random(c),
+                                                    think_ms), range(len(work))))
     wall = time.perf_counter() - started
     chats = [chat for conversations in per_client for chat in conversations]
     follow = [t for chat in chats for t in chat[1:]]
@@ -121,6 +130,14 @@ def run_setting(url: str, work: list[list[str]], questions: list[str], turns: in
             "replies": [[t["text"] for t in chat] for chat in chats]}
 
 
+def summarise(runs: list[dict]) -> dict:
+    """Median over rounds of each metric, with every round's figures kept."""
+    summary = {key: statistics.median(run[key] for run in runs) for key in METRICS}
+    summary["follow_up_turns"] = runs[0]["follow_up_turns"]
+    summary["rounds"] = [{key: run[key] for key in (*METRICS, "turns_per_replica")} for run in runs]
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=4)
@@ -129,6 +146,8 @@ def main() -> None:
     parser.add_argument("--doc-words", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--think-ms", type=float, default=1000.0, help="mean think time before a follow-up turn")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats of the settings without Redis")
     parser.add_argument("--port", type=int, default=8520)
     parser.add_argument("--only", nargs="*", default=None, help="run only these settings (by index)")
     opts = parser.parse_args()
@@ -137,29 +156,33 @@ def main() -> None:
     work = [docs[c * opts.conversations:(c + 1) * opts.conversations] for c in range(opts.clients)]
     questions = ["Summarise the text above in one sentence.", "What is the main claim?", "Give one example from it.",
                  "Who would disagree, and why?", "Name one open question it leaves."]
-    results = {}
-    for index, (name, replicas, cpus, router, redis) in enumerate(SETTINGS):
-        if opts.only is not None and str(index) not in opts.only:
-            continue
-        redis_proc = redis_url = None
-        if redis:
-            from tests.conftest import start_redis
+    chosen = [i for i in range(len(SETTINGS)) if opts.only is None or str(i) in opts.only]
+    repeated = [i for i in chosen if not SETTINGS[i][4]]
+    order = [repeated[r % len(repeated):] + repeated[:r % len(repeated)] for r in range(opts.rounds if repeated else 0)]
+    order.append([i for i in chosen if SETTINGS[i][4]])  # the Redis settings once, at the end
+    runs: dict[str, list[dict]] = {}
+    for round_order in order:
+        for index in round_order:
+            name, replicas, cpus, router, redis = SETTINGS[index]
+            redis_proc = redis_url = None
+            if redis:
+                from tests.conftest import start_redis
 
-            redis_proc, redis_url = start_redis()
-        url, stop, thread = start(opts.port, replicas, cpus, router, redis_url, opts.chunk_size)
-        try:
-            results[name] = run_setting(url, work, questions, opts.turns, opts.max_tokens)
-        finally:
-            stop.set()
-            thread.join(300)
-            if redis_proc is not None:
-                redis_proc.terminate()
-        row = {k: v for k, v in results[name].items() if k != "replies"}
-        print(name, json.dumps(row), flush=True)
-    first = next(iter(results.values()))["replies"]
-    identical = {name: r["replies"] == first for name, r in results.items()}
+                redis_proc, redis_url = start_redis()
+            url, stop, thread = start(opts.port, replicas, cpus, router, redis_url, opts.chunk_size)
+            try:
+                run = run_setting(url, work, questions, opts.turns, opts.max_tokens, opts.think_ms)
+            finally:
+                stop.set()
+                thread.join(300)
+                if redis_proc is not None:
+                    redis_proc.terminate()
+            runs.setdefault(name, []).append(run)
+            print(name, json.dumps({k: v for k, v in run.items() if k != "replies"}), flush=True)
+    first = next(iter(runs.values()))[0]["replies"]
+    identical = {name: all(run["replies"] == first for run in rs) for name, rs in runs.items()}
     payload = {"environment": environment(), "options": vars(opts), "identical_replies": identical,
-               "results": {n: {k: v for k, v in r.items() if k != "replies"} for n, r in results.items()}}
+               "results": {name: summarise(rs) for name, rs in runs.items()}}
     path = write_json("replicas.json", payload)
     print("identical greedy replies:", identical, "->", path)
     plot(payload["results"], DOCS_BENCH / "replicas.png")
