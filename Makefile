@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvboost-installed
 MODEL_STAMP := $(VENV)/.kvboost-model
 
-.PHONY: install model demo test bench clean
+.PHONY: install model kernels demo test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,11 +31,15 @@ $(MODEL_STAMP): $(STAMP)
 
 model: $(MODEL_STAMP)
 
-demo: $(MODEL_STAMP)
+# The C++ kernels of csrc/ (kvboost_hf.kernels), compiled once per source version into the model cache.
+kernels: $(STAMP)
+	$(BIN)/python -m kvboost_hf.kernels
+
+demo: $(MODEL_STAMP) kernels
 	$(BIN)/kvboost-hf demo
 
 # The import layers (pyproject.toml [tool.importlinter], docs/architecture.md) first: a broken rule fails CI.
-test: $(MODEL_STAMP)
+test: $(MODEL_STAMP) kernels
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 

@@ -1,9 +1,10 @@
-"""Weight-only int4 / int8 linears for self-drafts, on torch's own kernels.
+"""Weight-only int4 / int8 linears for self-drafts.
 
 int4 reuses the AWQ streaming path (:mod:`kvboost_hf.streaming`): round-to-nearest group
-quantization, torch's packed layout and ``_weight_int4pack_mm`` (``_for_cpu`` on CPU). int8 is
-per-output-channel symmetric with ``torch._weight_int8pack_mm``. Both take bf16 activations
-(fp32 falls on slow paths) and return the input's dtype.
+quantization and an :class:`~kvboost_hf.streaming.kernel.Int4Kernel` (this package's CPU kernels
+when built, else torch's ``_weight_int4pack_mm``). int8 is per-output-channel symmetric, on this
+package's kernel (:class:`BlockedInt8Linear`) or ``torch._weight_int8pack_mm``. Both return the
+input's dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvboost_hf.streaming.awq_format import scales_and_zeros, to_int4pack
+from kvboost_hf import kernels
+from kvboost_hf.streaming.kernel import Int4Kernel, resolve_int4_kernel
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from kvboost_hf.streaming.quantize import rtn_quantize
 
@@ -40,19 +42,35 @@ class Int8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class BlockedInt8Linear(Int8Linear):
+    """:class:`Int8Linear` on this package's int8 kernel (float32 accumulation, rows bit-independent)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self.blocks = kernels.pack_int8(self.int8_weight, self.int8_scales.to(torch.float32))
+        self.int8_weight = self.blocks.qweight  # one copy of the weight, in the kernel's layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = kernels.int8_linear(x, self.blocks)
+        return out if self.bias is None else out + self.bias
+
+
 class Int4DraftLinear(AWQInt4Linear):
-    """A resident int4 linear that also keeps its codes two per byte, for calls with many rows.
+    """A resident int4 linear that, on torch's kernel, also keeps its codes two per byte for calls with
+    many rows.
 
     torch's CPU int4 kernel costs about the same per row whatever the number of rows, so a draft's
     prompt prefill or catch-up (hundreds of rows) is slow on it. From :data:`DENSE_MIN_ROWS` rows
     on, the weight is dequantized to bf16 for that call and multiplied densely: measured on a
     2048 x 640 projection at 700 rows (AVX512-bf16 CPU), int4 kernel 10.6 ms, dequantize 0.8 ms +
     bf16 matmul 0.7 ms. The codes cost another half byte per weight. Drafts only: the dense path
-    rounds differently from the kernel, which a draft may, and a target must not.
+    rounds differently from the kernel, which a draft may, and a target must not. A kernel that
+    decodes each weight once per call (``kernel.amortises_rows``) needs neither.
     """
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, group_size, bias)
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
+                 kernel: Int4Kernel | None = None) -> None:
+        super().__init__(in_features, out_features, group_size, bias, kernel)
         self.register_buffer("int4_nibbles", None)
 
     def set_codes(self, codes: torch.Tensor) -> None:
@@ -71,7 +89,7 @@ class Int4DraftLinear(AWQInt4Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows < DENSE_MIN_ROWS or self.int4_nibbles is None or x.device.type != "cpu":
+        if rows < DENSE_MIN_ROWS or self.int4_nibbles is None or x.device.type != "cpu" or self.kernel.amortises_rows:
             return super().forward(x)
         x2 = x.reshape(rows, self.in_features).to(torch.bfloat16)
         out = (x2 @ self.dense_weight().T).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -96,18 +114,21 @@ def group_size_for(in_features: int) -> int:
     raise ValueError(f"int4 needs in_features divisible by one of {GROUP_SIZES}, got {in_features}")
 
 
-def int4_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """A resident int4 linear computing ``x @ weight.T (+ bias)`` (weight ``[out, in]``)."""
+def int4_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "auto") -> nn.Module:
+    """A resident int4 linear computing ``x @ weight.T (+ bias)`` (weight ``[out, in]``) on ``kernel``
+    (``"auto"``, ``"kvboost"`` or ``"torch"``, as in :class:`~kvboost_hf.streaming.StreamingAWQConfig`)."""
     out_features, in_features = weight.shape
     group = group_size_for(in_features)
-    pad = -out_features % INT4_ROW_MULTIPLE
+    kernel = resolve_int4_kernel(kernel, weight.device)
+    pad = 0 if kernel.amortises_rows else -out_features % INT4_ROW_MULTIPLE  # the blocked layout pads itself
     w = weight.detach().to(torch.float32)
     if pad:
         w = torch.cat([w, w.new_zeros(pad, in_features)])
     codes, zeros, scales = rtn_quantize(w, group, scale_dtype=torch.bfloat16)
-    module = Int4DraftLinear(in_features, w.shape[0], group, bias=False)
-    module.set_weight(to_int4pack(codes, weight.device), scales_and_zeros(scales, zeros).to(weight.device))
-    module.set_codes(codes.to(weight.device))
+    module = Int4DraftLinear(in_features, w.shape[0], group, bias=False, kernel=kernel)
+    module.set_weight(kernel.pack(codes, weight.device), kernel.side(scales, zeros).to(weight.device))
+    if not kernel.amortises_rows:
+        module.set_codes(codes.to(weight.device))
     out: nn.Module = PaddedInt4Linear(module, out_features) if pad else module
     if bias is not None:
         return _WithBias(out, bias)
@@ -124,10 +145,11 @@ class _WithBias(nn.Module):
         return self.inner(x) + self.bias
 
 
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> nn.Module:
-    """A weight-only ``bits`` (4 or 8) linear of ``weight`` ``[out, in]``."""
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, bits: int, kernel: str = "auto") -> nn.Module:
+    """A weight-only ``bits`` (4 or 8) linear of ``weight`` ``[out, in]`` on ``kernel`` (see :func:`int4_linear`)."""
     if bits == 4:
-        return int4_linear(weight, bias)
+        return int4_linear(weight, bias, kernel)
     if bits == 8:
-        return Int8Linear(weight, bias)
+        blocked = kernel != "torch" and weight.device.type == "cpu" and kernels.available().built
+        return BlockedInt8Linear(weight, bias) if blocked else Int8Linear(weight, bias)
     raise ValueError(f"bits must be 4 or 8, got {bits!r}")

@@ -199,9 +199,10 @@ def _resident_copy(module: AWQInt4Linear, runtime, name: str) -> Int4DraftLinear
         if source is None or name not in source:
             raise ValueError(f"streamed weight of {name} not found in the model's host source")
         packed = source.tensor(name).clone()
-    copy_ = Int4DraftLinear(module.in_features, module.out_features, module.group_size, bias=module.bias is not None)
+    copy_ = Int4DraftLinear(module.in_features, module.out_features, module.group_size, bias=module.bias is not None,
+                            kernel=module.kernel)
     copy_.set_weight(packed, module.int4_scales_zeros)
-    codes = runtime.codes(name) if runtime is not None else None
+    codes = runtime.codes(name) if runtime is not None and not module.kernel.amortises_rows else None
     if codes is not None:
         copy_.set_codes(codes.to(packed.device))
     if module.bias is not None:

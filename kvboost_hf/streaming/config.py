@@ -14,12 +14,13 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 QUANT_METHOD = "kvboost_awq_streaming"
 RESIDENCY_MODES = ("full_resident", "partial_resident", "ffn_only_stream", "full_stream")
 HOSTS = ("ram", "mmap")
+KERNEL_CHOICES = ("auto", "kvboost", "torch")
 # Fields the checkpoint decides; everything else is a loading attribute chosen by the user.
 CHECKPOINT_FIELDS = ("bits", "group_size", "zero_point", "version", "modules_to_not_convert")
 
 
 class StreamingAWQConfig(QuantizationConfigMixin):
-    """Load an AutoAWQ GEMM (int4) checkpoint with torch's int4 kernels, streaming layer weights.
+    """Load an AutoAWQ GEMM (int4) checkpoint, streaming layer weights.
 
     - ``residency_mode``: ``full_resident`` (every layer in memory), ``partial_resident``
       (the first ``keep_first_k`` and last ``keep_last_k`` decoder layers resident, the others
@@ -34,6 +35,9 @@ class StreamingAWQConfig(QuantizationConfigMixin):
       computes (``False`` loads each streamed layer when it is needed).
     - ``mmap_dir``: where ``host="mmap"`` keeps converted files (default: the kvboost_hf cache).
     - ``throttle_bytes_per_s``: benchmarks only: slow the host source down to this bandwidth.
+    - ``kernel``: the int4 GEMM: ``"kvboost"`` (this package's CPU kernels, :mod:`kvboost_hf.kernels`:
+      each weight decoded once per call, rows bit-independent), ``"torch"`` (torch's packed int4 op),
+      or ``"auto"`` (kvboost on CPU when its kernels are built, else torch).
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         zero_point: bool = True,
         version: str = "gemm",
         modules_to_not_convert: list[str] | None = None,
+        kernel: str = "auto",
         **kwargs: Any,
     ) -> None:
         self.quant_method = QUANT_METHOD
@@ -67,6 +72,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         self.zero_point = zero_point
         self.version = version
         self.modules_to_not_convert = modules_to_not_convert
+        self.kernel = kernel
         self.post_init()
 
     def post_init(self) -> None:
@@ -82,6 +88,8 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         slots = self.n_staging_slots
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"n_staging_slots must be an int >= 1, got {self.n_staging_slots!r}")
+        if self.kernel not in KERNEL_CHOICES:
+            raise ValueError(f"kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
         if self.throttle_bytes_per_s is not None and not self.throttle_bytes_per_s > 0:
             raise ValueError(f"throttle_bytes_per_s must be positive or None, got {self.throttle_bytes_per_s!r}")
         self.check_checkpoint_fields()
@@ -150,6 +158,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
             "zero_point": self.zero_point,
             "version": self.version,
             "modules_to_not_convert": self.modules_to_not_convert,
+            "kernel": self.kernel,
         }
 
     @classmethod

@@ -1,7 +1,8 @@
-"""``AWQInt4Linear``: a linear layer computing with torch's packed int4 weight.
+"""``AWQInt4Linear``: a linear layer computing with a packed int4 weight, on an :class:`~.kernel.Int4Kernel`.
 
 A resident module holds its packed weight as the buffer ``int4_weight``. A streamed module
-holds only ``int4_scales_zeros`` (about 6% of the packed bytes at group size 128); the
+holds only ``int4_scales_zeros``, its kernel's per-group tensor (a few percent of the packed
+bytes at group size 128); the
 layer streamer points ``staged_weight`` at a staging slot while the module's decoder layer
 runs. Both buffers take part in ``named_buffers``, so content hashes of the model see them.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvboost_hf.streaming.awq_format import int4_matmul
+from kvboost_hf.streaming.kernel import Int4Kernel, TorchInt4
 
 
 class AWQInt4Linear(nn.Module):
-    """int4 weight (AutoAWQ semantics), bf16 activations, output in the input's dtype."""
+    """int4 weight (AutoAWQ semantics), output in the input's dtype; ``kernel`` packs and multiplies."""
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
+                 kernel: Int4Kernel | None = None) -> None:
         super().__init__()
         if in_features % group_size:
             raise ValueError(
@@ -26,6 +28,7 @@ class AWQInt4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size
+        self.kernel = kernel or TorchInt4()
         self.streamed = False
         self.staged_weight: torch.Tensor | None = None
         self.register_buffer("int4_weight", None)
@@ -50,9 +53,7 @@ class AWQInt4Linear(nn.Module):
             )
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        out = int4_matmul(x2.contiguous(), packed, self.group_size, self.int4_scales_zeros)
+        out = self.kernel.matmul(x2, packed, self.int4_scales_zeros, self.group_size, self.out_features)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias
@@ -61,5 +62,5 @@ class AWQInt4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-            f"bias={self.bias is not None}, streamed={self.streamed}"
+            f"bias={self.bias is not None}, streamed={self.streamed}, kernel={self.kernel.name}"
         )

@@ -18,8 +18,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from kvboost_hf.streaming.awq_format import awq_to_codes, scales_and_zeros, to_int4pack, unpack_awq
+from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
 from kvboost_hf.streaming.config import StreamingAWQConfig
+from kvboost_hf.streaming.kernel import resolve_int4_kernel
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from kvboost_hf.streaming.source import HostSource, MmapSource, RamSource, cache_key
 from kvboost_hf.streaming.stats import StreamingStats
@@ -137,7 +138,7 @@ class StreamingRuntime:
 
 
 def _read_module(f_by_file: dict, index: dict[str, str], name: str, module: AWQInt4Linear, config, with_weight: bool):
-    """Converted ``(packed or None, scales_zeros)`` of one quantized linear."""
+    """``(codes [N, K] or None, per-group tensor of the module's kernel)`` of one quantized linear."""
 
     def get(key: str) -> torch.Tensor | None:
         path = index.get(key)
@@ -151,7 +152,7 @@ def _read_module(f_by_file: dict, index: dict[str, str], name: str, module: AWQI
     if tuple(qweight.shape) != (K, N // 8):
         raise ValueError(f"{name}.qweight has shape {tuple(qweight.shape)}, expected {(K, N // 8)} (AutoAWQ GEMM)")
     codes, zeros, s = awq_to_codes(qweight, qzeros, scales, config.group_size)
-    return codes if with_weight else None, scales_and_zeros(s, zeros)
+    return codes if with_weight else None, module.kernel.side(s, zeros)
 
 
 def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str, str],
@@ -160,9 +161,12 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     _, layers = decoder_layers(model)
     num_layers = len(layers)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    kernel = resolve_int4_kernel(config.kernel, device)
     stats = StreamingStats(residency_mode=config.residency_mode, host=config.host,
                            n_staging_slots=config.n_staging_slots, prefetch=config.prefetch)
     modules = {name: model.get_submodule(name) for name in placed}
+    for module in modules.values():
+        module.kernel = kernel
     is_streamed = {
         name: config.is_streamed(layer, name.split(f".{layer}.", 1)[-1], num_layers) for name, layer in placed.items()
     }
@@ -175,7 +179,8 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
 
         root = Path(config.mmap_dir) if config.mmap_dir else cache_dir() / "awq-int4pack"
         key = cache_key(checkpoint_files, {"group_size": config.group_size, "zero_point": config.zero_point,
-                                           "device": device.type, "names": streamed_names})
+                                           "device": device.type, "names": streamed_names,
+                                           "kernel": kernel.name})
         source = MmapSource(root / key, config.throttle_bytes_per_s)
         mmap_ready = source.exists()
     elif streamed_names:
@@ -186,10 +191,10 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
             module = modules[name]
             streamed = is_streamed[name]
             codes, sz = _read_module(files, index, name, module, config, with_weight=not (streamed and mmap_ready))
-            module.set_weight(None if streamed else to_int4pack(codes, device), sz.to(device))
+            module.set_weight(None if streamed else kernel.pack(codes, device), sz.to(device))
             if streamed:
                 if codes is not None:
-                    packed = to_int4pack(codes, device)
+                    packed = kernel.pack(codes, device)
                     yield name, packed.cpu() if device.type == "cuda" else packed
             else:
                 stats.resident_int4_bytes += module.int4_weight.numel() * module.int4_weight.element_size()
@@ -215,8 +220,8 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         streamer = LayerStreamer(layers, dict(by_layer), source, config.n_staging_slots, config.prefetch, device, stats)
         stats.streamed_layers = len(by_layer)
     logger.info(
-        "AWQ streaming: %s, %d streamed layers, resident int4 %.1f MB, streamed int4 %.1f MB on %s, staging %.1f MB",
-        config.residency_mode, stats.streamed_layers, stats.resident_int4_bytes / 1e6,
+        "AWQ streaming: %s, %s int4 kernel, %d streamed layers, resident int4 %.1f MB, streamed int4 %.1f MB on %s, "
+        "staging %.1f MB", config.residency_mode, kernel.name, stats.streamed_layers, stats.resident_int4_bytes / 1e6,
         stats.streamed_int4_bytes / 1e6, config.host, stats.staging_bytes / 1e6,
     )
     runtime = StreamingRuntime(streamer, stats, source, index)

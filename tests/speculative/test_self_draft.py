@@ -201,10 +201,10 @@ def test_int4_draft_linear_many_rows_take_the_dense_path(monkeypatch):
     """Few rows: torch's int4 kernel; from DENSE_MIN_ROWS rows: the codes dequantized to bf16, the same
     weight to bf16 rounding (so the draft's prompt prefill and its decoding agree)."""
     from kvboost_hf.speculative import quantized
-    from kvboost_hf.streaming import linear as linear_module
+    from kvboost_hf.streaming import kernel as linear_module
 
     torch.manual_seed(1)
-    layer = quantized_linear(torch.randn(64, 256), None, 4)
+    layer = quantized_linear(torch.randn(64, 256), None, 4, kernel="torch")
     assert isinstance(layer, quantized.Int4DraftLinear) and layer.int4_nibbles.shape == (64, 128)
     kernel_rows = []
     real = linear_module.int4_matmul
@@ -224,13 +224,13 @@ def test_int4_draft_linear_many_rows_take_the_dense_path(monkeypatch):
 
 
 def test_streamed_draft_reads_its_codes_again(tmp_path):
-    """Every int4 linear of a streamed target's draft (resident or streamed layer) gets the checkpoint's
-    codes for its dense path; a checkpoint gone from disk costs only that path."""
+    """On torch's kernel, every int4 linear of a streamed target's draft (resident or streamed layer) gets
+    the checkpoint's codes for its dense path; a checkpoint gone from disk costs only that path."""
     from kvboost_hf.speculative.quantized import DENSE_MIN_ROWS, Int4DraftLinear
 
     model = make_tiny("llama", seed=3, num_layers=4)
     pack_model(model, tmp_path / "ckpt", group_size=32)
-    config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=1, keep_last_k=1)
+    config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=1, keep_last_k=1, kernel="torch")
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=config,
                                                   dtype=torch.float32).eval()
     draft = make_draft(target, bits=4)
@@ -250,3 +250,23 @@ def test_streamed_draft_reads_its_codes_again(tmp_path):
     with torch.no_grad():
         logits = blind(random_ids(DENSE_MIN_ROWS + 8, 4)).logits  # many rows, on the kernel
     assert torch.isfinite(logits[logits > float("-inf")]).all()
+
+
+def test_drafts_on_the_kvboost_kernel_need_no_dense_path(tmp_path):
+    """kvboost's kernel decodes each weight once per call: a draft keeps no codes and a many-row call
+    runs on the kernel, bit for bit what its rows give one at a time."""
+    from kvboost_hf import kernels
+    from kvboost_hf.speculative.quantized import DENSE_MIN_ROWS, BlockedInt8Linear, Int4DraftLinear
+
+    assert kernels.available().built
+    model = make_tiny("llama", seed=3, num_layers=4)
+    pack_model(model, tmp_path / "ckpt", group_size=32)
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=StreamingAWQConfig(
+        residency_mode="partial_resident", keep_first_k=1, keep_last_k=1), dtype=torch.float32).eval()
+    draft = make_draft(target, bits=4)
+    linears = [m for m in draft.model.layers.modules() if isinstance(m, Int4DraftLinear)]
+    assert len(linears) == 4 * 7 and all(m.kernel.name == "kvboost" and m.int4_nibbles is None for m in linears)
+    x = torch.randn(DENSE_MIN_ROWS + 3, linears[0].in_features)
+    many = linears[0](x)
+    assert torch.equal(many[:5], torch.cat([linears[0](x[i:i + 1]) for i in range(5)]))
+    assert isinstance(quantized_linear(torch.randn(64, 256), None, 8), BlockedInt8Linear)

@@ -1,0 +1,215 @@
+"""kvboost_hf's CPU GEMM kernels against torch's int4 kernel and dense bf16/fp32 matmuls, per ISA path.
+
+Each path runs in its own process with ``ATEN_CPU_CAPABILITY`` set to match (so torch's kernels take
+the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. Per process, interleaved, medians of ``--reps``:
+
+- a bandwidth probe (sum over a 512 MB tensor) giving the floor for each weight read;
+- Gemma-3-270M's layer shapes at M = 1, 4, 9, 16, 64, 256 rows: kvboost int4 (group 128), torch int4,
+  torch dense bf16 and fp32; the 262k x 640 LM head: kvboost bf16 against torch bf16/fp32;
+- the whole model packed by ``awq-pack`` (round-to-nearest, group 128, resident): decode step after a
+  200-token prompt, a 9-row forward there (verification), a 256-token prefill, for kernel="kvboost"
+  and kernel="torch", against the bf16 float model's prefill. Greedy continuations are compared.
+
+    python benchmarks/kernels.py [--reps 7] [--paths avx512,avx2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import DOCS_BENCH, environment, median, write_json  # noqa: E402
+
+ROWS = (1, 4, 9, 16, 64, 256)
+SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
+TORCH_CAPABILITY = {"avx512": "avx512", "avx2": "avx2", "scalar": "default"}
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return median(samples) * 1e3
+
+
+def bandwidth_gbs(reps: int) -> float:
+    big = torch.ones(128 * 1024 * 1024)
+    return big.numel() * 4 / timed(big.sum, reps) / 1e6
+
+
+def layer_rows(reps: int) -> dict:
+    from kvboost_hf import kernels
+    from kvboost_hf.streaming.awq_format import scales_and_zeros, to_int4pack
+
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        codes = torch.randint(0, 16, (n, k), generator=gen)
+        zeros = torch.randint(0, 16, (k // 128, n), generator=gen).float()
+        scales = torch.rand(k // 128, n, generator=gen) * 0.01
+        ours = kernels.pack_int4(codes, zeros, scales, 128)
+        packed, sz = to_int4pack(codes, torch.device("cpu")), scales_and_zeros(scales, zeros)
+        dense = torch.randn(n, k, generator=gen)
+        dense16 = dense.to(torch.bfloat16)
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            x32 = x.float()
+            fns = {"kvboost int4": lambda: kernels.int4_linear(x, ours),
+                   "torch int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 128, sz),
+                   "torch bf16": lambda: x @ dense16.T, "torch fp32": lambda: x32 @ dense.T}
+            out[f"{name} M={m}"] = interleave(fns, reps) | {"int4_bytes": n * k // 2}
+    n, k = 262144, 640
+    head = torch.randn(n, k, generator=gen)
+    head16 = head.to(torch.bfloat16)
+    ours16 = kernels.pack_dense(head16)
+    for m in (1, 4, 9):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        x32 = x.float()
+        fns = {"kvboost bf16": lambda: kernels.dense_linear(x, ours16), "torch bf16": lambda: x @ head16.T,
+               "torch fp32": lambda: x32 @ head.T}
+        out[f"lm_head 262144x640 M={m}"] = interleave(fns, reps) | {"bf16_bytes": n * k * 2}
+    return out
+
+
+def interleave(fns: dict, reps: int) -> dict:
+    samples = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: median(s) for name, s in samples.items()}
+
+
+@torch.no_grad()
+def whole_model(reps: int) -> dict:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvboost_hf.models import cache_dir, load_default_model
+    from kvboost_hf.streaming import StreamingAWQConfig
+    from kvboost_hf.streaming.pack import pack_model
+
+    model, tokenizer = load_default_model()
+    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
+    if not (path / "config.json").exists():
+        pack_model(model, path, group_size=128, tokenizer=tokenizer)
+    models = {kernel: AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel=kernel),
+        dtype=torch.bfloat16).eval() for kernel in ("kvboost", "torch")}
+    models["bf16 float"] = model.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(10, 20000, (1, 200), generator=gen)
+    long = torch.randint(10, 20000, (1, 256), generator=gen)
+
+    def prefilled(m):
+        cache = DynamicCache(config=m.config)
+        m(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    def step(m):
+        cache = prefilled(m)
+        start = time.perf_counter()
+        m(prompt[:, -1:], past_key_values=cache, use_cache=True)
+        return time.perf_counter() - start
+
+    def verify(m):
+        cache = prefilled(m)
+        start = time.perf_counter()
+        m(prompt[:, -9:], past_key_values=cache, use_cache=True)
+        return time.perf_counter() - start
+
+    def prefill(m):
+        start = time.perf_counter()
+        m(long, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    samples = {name: {"step": [], "verify9": [], "prefill256": []} for name in models}
+    for _ in range(reps):
+        for name, m in models.items():
+            samples[name]["step"].append(step(m) * 1e3)
+            samples[name]["verify9"].append(verify(m) * 1e3)
+            samples[name]["prefill256"].append(prefill(m) * 1e3)
+    text = {name: m.generate(prompt[:, :64], max_new_tokens=24, do_sample=False)[0, 64:].tolist()
+            for name, m in models.items()}
+    return {"ms": {name: {k: median(v) for k, v in s.items()} for name, s in samples.items()},
+            "greedy_same_as_torch_int4": {name: t == text["torch"] for name, t in text.items()}}
+
+
+def worker(reps: int) -> dict:
+    from kvboost_hf import kernels
+
+    status = kernels.available()
+    if not status.built:
+        raise SystemExit(f"kernels not built: {status.reason}")
+    return {"isa": status.isa, "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "bandwidth_gbs": bandwidth_gbs(reps), "layers": layer_rows(reps), "model": whole_model(reps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--paths", default="avx512,avx2")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.reps)))
+        return
+    results = {}
+    for path in args.paths.split(","):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": TORCH_CAPABILITY[path], "KVBOOST_HF_KERNEL_ISA": path}
+        done = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(args.reps)], env=env, check=True,
+                              capture_output=True, text=True)
+        results[path] = json.loads(done.stdout.strip().splitlines()[-1])
+        report(path, results[path])
+    write_json("kernels.json", {"environment": environment(), "options": vars(args), "paths": results})
+    plot(results, DOCS_BENCH / "kernels.png")
+
+
+def report(path: str, r: dict) -> None:
+    print(f"== path {r['isa']} (torch {r['torch_capability']}), bandwidth {r['bandwidth_gbs']:.1f} GB/s")
+    for name, row in r["layers"].items():
+        print(f"{name:32s} " + "  ".join(f"{k} {v:8.3f}" for k, v in row.items() if not k.endswith("bytes")))
+    for name, row in r["model"]["ms"].items():
+        print(f"{name:12s} step {row['step']:7.1f} ms  9-row {row['verify9']:7.1f} ms  "
+              f"prefill256 {row['prefill256']:7.1f} ms")
+    print("greedy as torch int4:", r["model"]["greedy_same_as_torch_int4"])
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (isa, r) in zip(axes[0], results.items()):
+        for kernel in ("kvboost int4", "torch int4", "torch bf16"):
+            ms = [r["layers"][f"gate/up 2048x640 M={m}"][kernel] for m in ROWS]
+            ax.plot(ROWS, ms, marker="o", label=kernel)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows (M)")
+        ax.set_ylabel("ms, 2048x640 projection")
+        ax.set_title(f"{isa} path")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+// AVX2 + FMA path: a 16-column block is two 8-lane registers; row tiles of 6 rows (12 accumulators).
+// Everything in this file is compiled for AVX2 and called only when the CPU has it; it includes no
+// C++ library templates, whose AVX2 instances could otherwise be picked by the linker for other code.
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "kvboost_kernels.h"
+
+namespace kvb_avx2 {
+namespace {
+
+constexpr int64_t kRowTile = 6;
+
+struct V16 {
+  __m256 lo, hi;
+  static inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static inline V16 int4(const uint8_t* p, const V16& z, const V16& s) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(bytes, mask);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    const __m256 ql = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    const __m256 qh = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    return {_mm256_mul_ps(_mm256_sub_ps(ql, z.lo), s.lo), _mm256_mul_ps(_mm256_sub_ps(qh, z.hi), s.hi)};
+  }
+  static inline V16 i8(const int8_t* p) {
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+  }
+  static inline V16 bf16(const uint16_t* p) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
+  }
+  static inline V16 fma(float a, const V16& w, const V16& acc) {
+    const __m256 x = _mm256_set1_ps(a);
+    return {_mm256_fmadd_ps(x, w.lo, acc.lo), _mm256_fmadd_ps(x, w.hi, acc.hi)};
+  }
+  static inline V16 mul(const V16& a, const V16& b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  inline void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+};
+
+}  // namespace
+
+#include "gemm_body.inc"
+
+}  // namespace kvb_avx2

@@ -1,0 +1,40 @@
+// AVX-512 (F/BW/VL/DQ) path: a 16-column block is one register; row tiles of 8 rows.
+// Compiled for AVX-512 and called only when the CPU has it (see gemm_avx2.cpp on library templates).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "kvboost_kernels.h"
+
+namespace kvb_avx512 {
+namespace {
+
+constexpr int64_t kRowTile = KVB_MAX_ROW_TILE;
+
+struct V16 {
+  __m512 v;
+  static inline V16 zero() { return {_mm512_setzero_ps()}; }
+  static inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static inline V16 int4(const uint8_t* p, const V16& z, const V16& s) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
+    return {_mm512_mul_ps(_mm512_sub_ps(q, z.v), s.v)};
+  }
+  static inline V16 i8(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static inline V16 bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  static inline V16 fma(float a, const V16& w, const V16& acc) { return {_mm512_fmadd_ps(_mm512_set1_ps(a), w.v, acc.v)}; }
+  static inline V16 mul(const V16& a, const V16& b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+
+}  // namespace
+
+#include "gemm_body.inc"
+
+}  // namespace kvb_avx512

@@ -1,0 +1,66 @@
+// The portable path: plain C++ with std::fma, for hosts without AVX2 and as the reference that the
+// vector paths must equal bit for bit (tests/kernels).
+#include <cmath>
+
+#include "kvboost_kernels.h"
+
+namespace kvb_scalar {
+namespace {
+
+constexpr int64_t kRowTile = KVB_MIN_ROW_TILE;
+
+struct V16 {
+  float v[16];
+  static inline V16 zero() {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = 0.0f;
+    return r;
+  }
+  static inline V16 load(const float* p) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = p[j];
+    return r;
+  }
+  static inline V16 int4(const uint8_t* p, const V16& z, const V16& s) {
+    V16 r;
+    for (int j = 0; j < 8; ++j) {
+      r.v[j] = (static_cast<float>(p[j] & 0x0F) - z.v[j]) * s.v[j];
+      r.v[8 + j] = (static_cast<float>(p[j] >> 4) - z.v[8 + j]) * s.v[8 + j];
+    }
+    return r;
+  }
+  static inline V16 i8(const int8_t* p) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = static_cast<float>(p[j]);
+    return r;
+  }
+  static inline V16 bf16(const uint16_t* p) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
+      float f;
+      __builtin_memcpy(&f, &bits, sizeof f);
+      r.v[j] = f;
+    }
+    return r;
+  }
+  static inline V16 fma(float a, const V16& w, const V16& acc) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = std::fma(a, w.v[j], acc.v[j]);
+    return r;
+  }
+  static inline V16 mul(const V16& a, const V16& b) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = a.v[j] * b.v[j];
+    return r;
+  }
+  inline void store(float* p) const {
+    for (int j = 0; j < 16; ++j) p[j] = v[j];
+  }
+};
+
+}  // namespace
+
+#include "gemm_body.inc"
+
+}  // namespace kvb_scalar

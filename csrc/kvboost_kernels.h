@@ -1,0 +1,39 @@
+// Weight-only GEMM kernels for the models kvboost_hf owns: out[m, n] = sum_k x[m, k] * w[k, n].
+//
+// One contract for every ISA path (scalar, AVX2, AVX-512): each output element is accumulated in
+// fp32 as acc = fma(x[m, k], w[k, n], acc) for k = 0, 1, ..., K-1, starting from 0, and nothing else
+// (int8 then multiplies by the column's scale). The order depends neither on how many rows are
+// computed together nor on the thread count (threads split output columns), so a row's result is
+// bit-identical for every M; and as fma is exactly rounded, every ISA path gives the same bits.
+//
+// Weight layouts: output columns in blocks of 16, block b holding columns 16b..16b+15, K rows each.
+//   int4:  uint8 [NB, K, 8]: byte j of row k holds column j (low nibble) and column 8+j (high);
+//          scales, zeros float [NB, K/G, 16]; w = (q - zero) * scale.
+//   int8:  int8  [NB, K, 16]; per-column float scale [NB * 16], applied once after the sum.
+//   bf16:  uint16 [NB, K, 16] (bf16 bits); fp32: float [NB, K, 16].
+// Activations x: float [M, K] contiguous. Output: float [M, ldo], block b at columns 16b.
+// This header is plain C++ (no torch), shared by the per-ISA translation units.
+#pragma once
+#include <cstdint>
+
+#define KVB_DECLARE_ISA(ns)                                                                          \
+  namespace ns {                                                                                     \
+  void int4_blocks(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales,      \
+                   const float* zeros, int64_t group, int64_t b0, int64_t b1, float* out,            \
+                   int64_t ldo, float* strip);                                                       \
+  void int8_blocks(const float* x, int64_t m, int64_t k, const int8_t* q, const float* scales,       \
+                   int64_t b0, int64_t b1, float* out, int64_t ldo);                                 \
+  void bf16_blocks(const float* x, int64_t m, int64_t k, const uint16_t* w, int64_t b0, int64_t b1,  \
+                   float* out, int64_t ldo);                                                         \
+  void f32_blocks(const float* x, int64_t m, int64_t k, const float* w, int64_t b0, int64_t b1,      \
+                  float* out, int64_t ldo);                                                          \
+  }
+
+KVB_DECLARE_ISA(kvb_scalar)
+KVB_DECLARE_ISA(kvb_avx2)
+KVB_DECLARE_ISA(kvb_avx512)
+
+// The int4 kernels decode a block's K x 16 weights into `strip` (K * 16 floats, from the caller)
+// when the rows span more than one row tile; no path uses more rows per tile than this.
+constexpr int64_t KVB_MAX_ROW_TILE = 8;
+constexpr int64_t KVB_MIN_ROW_TILE = 4;

@@ -1,0 +1,167 @@
+// torch custom ops (namespace `kvboost`) over the per-ISA kernels of kvboost_kernels.h: argument
+// checks, the ISA in effect, and threads over blocks of output columns (at::parallel_for, so
+// torch.set_num_threads applies). A thread count never changes a result: columns are independent.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "kvboost_kernels.h"
+
+namespace {
+
+enum Level : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int64_t host_level() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  return kScalar;
+}
+
+std::atomic<int64_t> g_level{host_level()};
+
+// Selects the ISA path: the wanted level, lowered to what this CPU has. Returns the level in effect.
+int64_t set_level(int64_t wanted) {
+  const int64_t level = std::max<int64_t>(kScalar, std::min(wanted, host_level()));
+  g_level.store(level);
+  return level;
+}
+
+int64_t get_level() { return g_level.load(); }
+int64_t get_host_level() { return host_level(); }
+
+at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu(), "kvboost kernels run on CPU tensors, got ", x.device());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  return x.to(at::kFloat).contiguous();
+}
+
+void check_blocks(const at::Tensor& w, at::ScalarType dtype, int64_t width, const char* name) {
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(w.scalar_type() == dtype, name, " must be ", dtype, ", got ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == width, name, " must be [blocks, rows, ", width, "], got ", w.sizes());
+}
+
+// The [rows, n] result in the activation's dtype, from the [rows, 16 * blocks] float buffer.
+at::Tensor finish(const at::Tensor& out, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(n > 0 && n <= out.size(1), "n must be in 1..", out.size(1), ", got ", n);
+  at::Tensor result = n == out.size(1) ? out : out.narrow(1, 0, n).contiguous();
+  return result.scalar_type() == dtype ? result : result.to(dtype);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
+                       int64_t group, int64_t n) {
+  check_blocks(q, at::kByte, 8, "qweight");
+  const int64_t blocks = q.size(0), k = q.size(1);
+  TORCH_CHECK(group > 0 && k % group == 0, "group_size ", group, " must divide in_features ", k);
+  check_blocks(scales, at::kFloat, 16, "scales");
+  check_blocks(zeros, at::kFloat, 16, "zeros");
+  TORCH_CHECK(scales.size(0) == blocks && scales.size(1) == k / group && zeros.sizes() == scales.sizes(),
+              "scales and zeros must be [", blocks, ", ", k / group, ", 16], got ", scales.sizes(), " and ",
+              zeros.sizes());
+  const at::Tensor xf = rows_f32(x, k);
+  const int64_t m = xf.size(0);
+  at::Tensor out = at::empty({m, 16 * blocks}, xf.options());
+  const int64_t level = get_level();
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> strip(m > KVB_MIN_ROW_TILE ? k * 16 : 0);
+    float* sbuf = strip.data();
+    if (level == kAvx512)
+      kvb_avx512::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
+    else if (level == kAvx2)
+      kvb_avx2::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
+    else
+      kvb_scalar::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
+  });
+  return finish(out, n, x.scalar_type());
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n) {
+  check_blocks(q, at::kChar, 16, "qweight");
+  const int64_t blocks = q.size(0), k = q.size(1);
+  TORCH_CHECK(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.dim() == 1 && scales.size(0) == 16 * blocks,
+              "scales must be a contiguous float32 CPU tensor [", 16 * blocks, "], got ", scales.sizes());
+  const at::Tensor xf = rows_f32(x, k);
+  const int64_t m = xf.size(0);
+  at::Tensor out = at::empty({m, 16 * blocks}, xf.options());
+  const int64_t level = get_level();
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    if (level == kAvx512)
+      kvb_avx512::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
+    else if (level == kAvx2)
+      kvb_avx2::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
+    else
+      kvb_scalar::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
+  });
+  return finish(out, n, x.scalar_type());
+}
+
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
+              "weight must be bfloat16 or float32, got ", w.scalar_type());
+  check_blocks(w, w.scalar_type(), 16, "weight");
+  const int64_t blocks = w.size(0), k = w.size(1);
+  const at::Tensor xf = rows_f32(x, k);
+  const int64_t m = xf.size(0);
+  at::Tensor out = at::empty({m, 16 * blocks}, xf.options());
+  const int64_t level = get_level();
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  const void* wp = w.data_ptr();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    if (bf16) {
+      const auto* p = static_cast<const uint16_t*>(wp);
+      if (level == kAvx512)
+        kvb_avx512::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+      else if (level == kAvx2)
+        kvb_avx2::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+      else
+        kvb_scalar::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+    } else {
+      const auto* p = static_cast<const float*>(wp);
+      if (level == kAvx512)
+        kvb_avx512::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+      else if (level == kAvx2)
+        kvb_avx2::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+      else
+        kvb_scalar::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+    }
+  });
+  return finish(out, n, x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvboost, m) {
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, int n) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor weight, int n) -> Tensor");
+  m.def("set_isa_level(int level) -> int", &set_level);
+  m.def("isa_level() -> int", &get_level);
+  m.def("host_isa_level() -> int", &get_host_level);
+}
+
+TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("dense_linear", &dense_linear);
+}

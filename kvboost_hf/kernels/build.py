@@ -1,0 +1,101 @@
+"""Building and loading the C++ kernels of ``csrc/`` (a torch extension registering ``torch.ops.kvboost``).
+
+The extension is compiled once per source/torch/compiler combination into
+``<cache>/kernels/<key>/`` (the model cache: ``$KVBOOST_HF_CACHE`` or ``~/.cache/kvboost_hf``),
+under a file lock so that concurrent processes build it once, then loaded with
+``torch.ops.load_library``. A failed build (no compiler, no sources in an installed wheel) is
+logged once as a warning and everything runs on torch's own kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from kvboost_hf.models.loading import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("ops.cpp", "gemm_scalar.cpp", "gemm_avx2.cpp", "gemm_avx512.cpp")
+HEADERS = ("kvboost_kernels.h", "gemm_body.inc")
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
+DISABLE_ENV = "KVBOOST_HF_KERNELS"  # "0": never build or use the kernels
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """Whether the library is loaded (``library`` is its path), or why not (``reason``)."""
+
+    library: str | None
+    reason: str = ""
+
+
+def source_dir() -> Path | None:
+    """``csrc/`` beside the package (a source checkout or an editable install), or ``$KVBOOST_HF_CSRC``."""
+    candidates = [Path(os.environ["KVBOOST_HF_CSRC"])] if os.environ.get("KVBOOST_HF_CSRC") else []
+    candidates.append(Path(__file__).resolve().parents[2] / "csrc")
+    return next((c for c in candidates if all((c / name).is_file() for name in SOURCES + HEADERS)), None)
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def build_key(sources: Path) -> str:
+    """Changes with the sources, torch, the compiler name and the Python ABI: a stale build is never loaded."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode() + b"\0" + (sources / name).read_bytes())
+    digest.update(f"{torch.__version__}|{compiler()}|{platform.python_version()}|{CFLAGS}".encode())
+    return digest.hexdigest()[:16]
+
+
+_lock = threading.Lock()
+_result: BuildResult | None = None
+
+
+def load_library() -> BuildResult:
+    """Build (at most once per machine) and load the kernels; never raises."""
+    global _result
+    with _lock:
+        if _result is None:
+            _result = _build_and_load()
+            if _result.library is None:
+                logger.warning("kvboost_hf kernels unavailable (%s): int4/int8 models use torch's kernels",
+                               _result.reason)
+        return _result
+
+
+def _build_and_load() -> BuildResult:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return BuildResult(None, f"disabled by {DISABLE_ENV}=0")
+    sources = source_dir()
+    if sources is None:
+        return BuildResult(None, "no csrc/ sources beside the package (set KVBOOST_HF_CSRC to a checkout's csrc/)")
+    if shutil.which(compiler()) is None:
+        return BuildResult(None, f"no C++ compiler ({compiler()!r} not found; install g++ or set CXX)")
+    from torch.utils import cpp_extension
+
+    key = build_key(sources)
+    folder = cache_dir() / "kernels" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"kvboost_kernels_{key}"
+    try:
+        with FileLock(str(folder / ".build.lock")):
+            path = cpp_extension.load(name=name, sources=[str(sources / s) for s in SOURCES],
+                                      extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                      extra_include_paths=[str(sources)], build_directory=str(folder),
+                                      is_python_module=False, verbose=False)
+    except Exception as error:  # a compiler error, a missing ninja, a loader error: all mean "not built"
+        return BuildResult(None, f"build failed in {folder}: {type(error).__name__}: {str(error)[-500:]}")
+    logger.info("kvboost_hf kernels loaded from %s", path)
+    return BuildResult(str(path))

@@ -1,0 +1,100 @@
+"""Python entry points of ``torch.ops.kvboost`` (loaded by :mod:`.build`), with fake (meta) kernels
+so that the ops trace under ``torch.compile``, and the choice of ISA path."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvboost_hf.kernels.build import load_library
+from kvboost_hf.kernels.layout import DenseBlocks, Int4Blocks, Int8Blocks
+
+logger = logging.getLogger(__name__)
+
+ISA_LEVELS = ("scalar", "avx2", "avx512")
+ISA_ENV = "KVBOOST_HF_KERNEL_ISA"  # force a path: scalar, avx2 or avx512 (lowered to what the CPU has)
+_TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
+
+_registered = False
+
+
+def loaded() -> bool:
+    """Whether the ops are usable in this process (building them on first call)."""
+    global _registered
+    if load_library().library is None:
+        return False
+    if not _registered:
+        _register_fakes()
+        select_isa(None)
+        _registered = True
+    return True
+
+
+def default_isa() -> str:
+    """``$KVBOOST_HF_KERNEL_ISA``, else the path matching torch's own (which honours ``ATEN_CPU_CAPABILITY``)."""
+    wanted = os.environ.get(ISA_ENV)
+    if wanted:
+        if wanted not in ISA_LEVELS:
+            raise ValueError(f"{ISA_ENV}={wanted!r}: expected one of {', '.join(ISA_LEVELS)}")
+        return wanted
+    return _TORCH_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), "scalar")
+
+
+def select_isa(name: str | None) -> str:
+    """Run the kernels on ``name``'s path (``None``: :func:`default_isa`), lowered to what this CPU has;
+    returns the path in effect. Every path gives the same bits: only speed differs."""
+    wanted = default_isa() if name is None else name
+    if wanted not in ISA_LEVELS:
+        raise ValueError(f"isa must be one of {', '.join(ISA_LEVELS)}, got {wanted!r}")
+    if load_library().library is None:
+        raise RuntimeError("kvboost_hf kernels are not built: see kvboost_hf.kernels.available()")
+    level = torch.ops.kvboost.set_isa_level(ISA_LEVELS.index(wanted))
+    if ISA_LEVELS[level] != wanted:
+        logger.info("kernel path %s is not available on this CPU; using %s", wanted, ISA_LEVELS[level])
+    return ISA_LEVELS[level]
+
+
+def current_isa() -> str:
+    return ISA_LEVELS[torch.ops.kvboost.isa_level()]
+
+
+def host_isa() -> str:
+    return ISA_LEVELS[torch.ops.kvboost.host_isa_level()]
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    return x.reshape(-1, k)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Blocks) -> torch.Tensor:
+    """``x @ W.T`` for an int4 weight, in ``x``'s dtype (float32 accumulation, rows independent)."""
+    k = w.qweight.shape[1]
+    out = torch.ops.kvboost.int4_linear(_rows(x, k), w.qweight, w.scales, w.zeros, w.group_size, w.out_features)
+    return out.reshape(*x.shape[:-1], w.out_features)
+
+
+def int8_linear(x: torch.Tensor, w: Int8Blocks) -> torch.Tensor:
+    """``x @ W.T`` for an int8 weight with per-output-row scales, in ``x``'s dtype."""
+    k = w.qweight.shape[1]
+    out = torch.ops.kvboost.int8_linear(_rows(x, k), w.qweight, w.scales, w.out_features)
+    return out.reshape(*x.shape[:-1], w.out_features)
+
+
+def dense_linear(x: torch.Tensor, w: DenseBlocks) -> torch.Tensor:
+    """``x @ W.T`` for a bf16 or float32 weight, in ``x``'s dtype (float32 accumulation, rows independent)."""
+    k = w.weight.shape[1]
+    out = torch.ops.kvboost.dense_linear(_rows(x, k), w.weight, w.out_features)
+    return out.reshape(*x.shape[:-1], w.out_features)
+
+
+def _register_fakes() -> None:
+    def fake(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
+    torch.library.register_fake("kvboost::int4_linear")(lambda x, q, s, z, g, n: fake(x, n))
+    torch.library.register_fake("kvboost::int8_linear")(lambda x, q, s, n: fake(x, n))
+    torch.library.register_fake("kvboost::dense_linear")(lambda x, w, n: fake(x, n))

@@ -1,0 +1,148 @@
+"""The GEMM kernels against a float reference, on every ISA path this CPU has; rows, threads and
+paths never change a bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_hf import kernels
+from kvboost_hf.kernels import pack_dense, pack_int4, pack_int8, unpack_int4
+
+# (out_features, in_features, group): odd column counts pad the last block; K from one group up.
+INT4_SHAPES = [(16, 32, 32), (40, 64, 32), (100, 256, 64), (48, 384, 128), (17, 128, 128), (2048, 640, 128)]
+
+
+def random_int4(n: int, k: int, group: int, zero_point: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = (torch.randint(0, 16, (k // group, n), generator=gen).float() if zero_point
+             else torch.full((k // group, n), 8.0))
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16).float()
+    return pack_int4(codes, zeros, scales, group), codes, zeros, scales
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ weight.double().T).float()
+
+
+def close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    # fp32 accumulation error bound: K * eps * sum |x| |w|, per element
+    bound = (x.double().abs() @ weight.double().abs().T).float() * (x.shape[-1] * 2.0**-23) + 1e-6
+    assert torch.all((got.float() - want).abs() <= bound), float(((got.float() - want).abs() / bound).max())
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+@pytest.mark.parametrize("shape", INT4_SHAPES)
+def test_int4_matches_the_dequantized_weight_on_every_path(shape, zero_point, isa_paths):
+    n, k, group = shape
+    blocks, codes, zeros, scales = random_int4(n, k, group, zero_point, seed=n + k)
+    weight = unpack_int4(blocks)
+    # the layout stands for (q - z) * s, AutoAWQ's definition
+    assert torch.equal(weight, (codes.float() - zeros.t().repeat_interleave(group, 1)) *
+                       scales.t().repeat_interleave(group, 1))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(7))
+    outs = {}
+    for isa in isa_paths:
+        assert kernels.select_isa(isa) == isa
+        outs[isa] = kernels.int4_linear(x, blocks)
+        assert outs[isa].shape == (11, n) and outs[isa].dtype == torch.float32
+        close(outs[isa], reference(x, weight), x, weight)
+    for isa in isa_paths:  # fma is exactly rounded and the order is fixed: every path gives the same bits
+        assert torch.equal(outs[isa], outs["scalar"]), isa
+
+
+def test_int8_and_dense_match_their_reference_on_every_path(isa_paths):
+    gen = torch.Generator().manual_seed(3)
+    n, k = 70, 96
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    s = torch.rand(n, generator=gen) * 0.01
+    w32 = torch.randn(n, k, generator=gen)
+    w16 = w32.to(torch.bfloat16)
+    x = torch.randn(9, k, generator=gen)
+    packs = {"int8": (pack_int8(q, s), q.float() * s[:, None]), "bf16": (pack_dense(w16), w16.float()),
+             "fp32": (pack_dense(w32), w32)}
+    for name, (blocks, weight) in packs.items():
+        outs = []
+        for isa in isa_paths:
+            kernels.select_isa(isa)
+            out = kernels.int8_linear(x, blocks) if name == "int8" else kernels.dense_linear(x, blocks)
+            close(out, reference(x, weight), x, weight)
+            outs.append(out)
+        assert all(torch.equal(o, outs[0]) for o in outs), name
+
+
+def rows_kernel(kind: str, k: int = 192, n: int = 72):
+    gen = torch.Generator().manual_seed(11)
+    if kind == "int4":
+        blocks = random_int4(n, k, 64, True, seed=5)[0]
+        return lambda x: kernels.int4_linear(x, blocks)
+    if kind == "int8":
+        blocks = pack_int8(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n) * 0.01)
+        return lambda x: kernels.int8_linear(x, blocks)
+    blocks = pack_dense(torch.randn(n, k, generator=gen).to(torch.bfloat16 if kind == "bf16" else torch.float32))
+    return lambda x: kernels.dense_linear(x, blocks)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "bf16", "fp32"])
+def test_a_row_does_not_depend_on_the_rows_computed_with_it(kind, isa_paths):
+    linear = rows_kernel(kind)
+    x = torch.randn(300, 192, generator=torch.Generator().manual_seed(2))
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(70)])
+        for m in list(range(1, 65)) + [65, 100, 256]:
+            rows = linear(x[:m])
+            assert torch.equal(rows, alone[:m] if m <= 70 else torch.cat([alone, linear(x[70:m])])), (isa, m)
+        # and where the rows start in the batch does not matter either
+        assert torch.equal(linear(x[37:300])[:33], alone[37:70]), isa
+
+
+def test_thread_count_never_changes_a_bit(built):
+    linear = rows_kernel("int4", k=640, n=2048)
+    x = torch.randn(20, 640, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(linear(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_bf16_activations_give_bf16_outputs_of_the_float_result(built):
+    blocks = random_int4(48, 128, 32, True, seed=1)[0]
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    out = kernels.int4_linear(x, blocks)
+    assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
+    assert torch.equal(out, kernels.int4_linear(x.float(), blocks).to(torch.bfloat16))
+
+
+def test_bad_inputs_say_what_to_change(built):
+    blocks = random_int4(32, 64, 32, True, seed=1)[0]
+    with pytest.raises(ValueError, match="input has 63 features, the weight expects 64"):
+        kernels.int4_linear(torch.randn(1, 63), blocks)
+    with pytest.raises(RuntimeError, match="group_size 48 must divide in_features 64"):
+        torch.ops.kvboost.int4_linear(torch.randn(1, 64), blocks.qweight, blocks.scales, blocks.zeros, 48, 32)
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
+        kernels.int4_linear(torch.ones(1, 64, dtype=torch.int32), blocks)
+    with pytest.raises(ValueError, match="does not divide"):
+        pack_int4(torch.zeros(16, 48, dtype=torch.long), torch.zeros(1, 16), torch.ones(1, 16), 32)
+    with pytest.raises(ValueError, match="0..15"):
+        pack_int4(torch.full((16, 32), 16), torch.zeros(1, 16), torch.ones(1, 16), 32)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        kernels.select_isa("sse9")
+
+
+def test_ops_trace_under_torch_compile(built):
+    blocks = random_int4(48, 128, 32, True, seed=2)[0]
+    dense = pack_dense(torch.randn(40, 48))
+
+    def f(x):
+        return kernels.dense_linear(torch.relu(kernels.int4_linear(x, blocks)), dense)
+
+    x = torch.randn(5, 128)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), f(x))
