@@ -5,7 +5,8 @@ the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. Per process, interleaved, 
 
 - a bandwidth probe (sum over a 512 MB tensor) giving the floor for each weight read;
 - Gemma-3-270M's layer shapes at M = 1, 4, 9, 16, 64, 256 rows: kvboost int4 (group 128), torch int4,
-  torch dense bf16 and fp32; the 262k x 640 LM head: kvboost bf16 against torch bf16/fp32;
+  torch dense bf16 and fp32; the 262k x 640 LM head: kvboost bf16 (blocked layout, and nn.Linear's own
+  [N, K] layout that an int4 model's tied head runs on) against torch bf16/fp32;
 - the whole model packed by ``awq-pack`` (round-to-nearest, group 128, resident): decode step after a
   200-token prompt, a 9-row forward there (verification), a 256-token prefill, for kernel="kvboost"
   and kernel="torch", against the bf16 float model's prefill. Greedy continuations are compared.
@@ -78,7 +79,8 @@ def layer_rows(reps: int) -> dict:
     for m in (1, 4, 9):
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         x32 = x.float()
-        fns = {"kvboost bf16": lambda: kernels.dense_linear(x, ours16), "torch bf16": lambda: x @ head16.T,
+        fns = {"kvboost bf16 blocked": lambda: kernels.dense_linear(x, ours16),
+               "kvboost bf16 [N,K]": lambda: kernels.linear(x, head16), "torch bf16": lambda: x @ head16.T,
                "torch fp32": lambda: x32 @ head.T}
         out[f"lm_head 262144x640 M={m}"] = interleave(fns, reps) | {"bf16_bytes": n * k * 2}
     return out

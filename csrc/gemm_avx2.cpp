@@ -39,6 +39,17 @@ struct V16 {
     const __m256 x = _mm256_set1_ps(a);
     return {_mm256_fmadd_ps(x, w.lo, acc.lo), _mm256_fmadd_ps(x, w.hi, acc.hi)};
   }
+  static inline V16 weights(const float* p) { return load(p); }
+  static inline V16 weights(const Bf16* p) { return bf16(reinterpret_cast<const uint16_t*>(p)); }
+  static inline V16 fmav(const V16& a, const V16& w, const V16& acc) {
+    return {_mm256_fmadd_ps(a.lo, w.lo, acc.lo), _mm256_fmadd_ps(a.hi, w.hi, acc.hi)};
+  }
+  inline float sum() const {  // the scalar path's tree (gemm_scalar.cpp)
+    const __m256 t = _mm256_add_ps(lo, hi);
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+  }
   static inline V16 mul(const V16& a, const V16& b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
   inline void store(float* p) const {
     _mm256_storeu_ps(p, lo);

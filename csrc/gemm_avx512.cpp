@@ -29,6 +29,15 @@ struct V16 {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
   }
   static inline V16 fma(float a, const V16& w, const V16& acc) { return {_mm512_fmadd_ps(_mm512_set1_ps(a), w.v, acc.v)}; }
+  static inline V16 weights(const float* p) { return load(p); }
+  static inline V16 weights(const Bf16* p) { return bf16(reinterpret_cast<const uint16_t*>(p)); }
+  static inline V16 fmav(const V16& a, const V16& w, const V16& acc) { return {_mm512_fmadd_ps(a.v, w.v, acc.v)}; }
+  inline float sum() const {  // the scalar path's tree (gemm_scalar.cpp)
+    const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+  }
   static inline V16 mul(const V16& a, const V16& b) { return {_mm512_mul_ps(a.v, b.v)}; }
   inline void store(float* p) const { _mm512_storeu_ps(p, v); }
 };

@@ -49,6 +49,21 @@ struct V16 {
     for (int j = 0; j < 16; ++j) r.v[j] = std::fma(a, w.v[j], acc.v[j]);
     return r;
   }
+  static inline V16 weights(const float* p) { return load(p); }
+  static inline V16 weights(const Bf16* p) { return bf16(reinterpret_cast<const uint16_t*>(p)); }
+  static inline V16 fmav(const V16& a, const V16& w, const V16& acc) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = std::fma(a.v[j], w.v[j], acc.v[j]);
+    return r;
+  }
+  // The fixed tree: lanes j + j+8, then j + j+4, then j + j+2, then 0 + 1.
+  inline float sum() const {
+    float t[8];
+    for (int j = 0; j < 8; ++j) t[j] = v[j] + v[j + 8];
+    for (int j = 0; j < 4; ++j) t[j] = t[j] + t[j + 4];
+    for (int j = 0; j < 2; ++j) t[j] = t[j] + t[j + 2];
+    return t[0] + t[1];
+  }
   static inline V16 mul(const V16& a, const V16& b) {
     V16 r;
     for (int j = 0; j < 16; ++j) r.v[j] = a.v[j] * b.v[j];

@@ -11,10 +11,16 @@
 //          scales, zeros float [NB, K/G, 16]; w = (q - zero) * scale.
 //   int8:  int8  [NB, K, 16]; per-column float scale [NB * 16], applied once after the sum.
 //   bf16:  uint16 [NB, K, 16] (bf16 bits); fp32: float [NB, K, 16].
+//   row-major (nn.Linear's [N, K], bf16 or fp32, K a multiple of 16): a second order, for weights we
+//   do not repack (a tied LM head): 16 interleaved partial sums over k, then a fixed tree (gemm_body.inc).
 // Activations x: float [M, K] contiguous. Output: float [M, ldo], block b at columns 16b.
 // This header is plain C++ (no torch), shared by the per-ISA translation units.
 #pragma once
 #include <cstdint>
+
+struct Bf16 {  // the bits of one bfloat16 (tags a row-major bf16 weight for the kernels' overloads)
+  uint16_t bits;
+};
 
 #define KVB_DECLARE_ISA(ns)                                                                          \
   namespace ns {                                                                                     \
@@ -27,6 +33,10 @@
                    float* out, int64_t ldo);                                                         \
   void f32_blocks(const float* x, int64_t m, int64_t k, const float* w, int64_t b0, int64_t b1,      \
                   float* out, int64_t ldo);                                                          \
+  void bf16_rows(const float* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1,    \
+                 float* out, int64_t ldo);                                                           \
+  void f32_rows(const float* x, int64_t m, int64_t k, const float* w, int64_t n0, int64_t n1,        \
+                float* out, int64_t ldo);                                                            \
   }
 
 KVB_DECLARE_ISA(kvb_scalar)

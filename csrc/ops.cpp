@@ -149,12 +149,50 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   return finish(out, n, x.scalar_type());
 }
 
+// x @ weight.T for nn.Linear's own [N, K] weight (bf16 or fp32), threads over output columns.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
+              "weight must be bfloat16 or float32, got ", w.scalar_type());
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous CPU [N, K] tensor");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(k % 16 == 0, "in_features must be a multiple of 16, got ", k);
+  const at::Tensor xf = rows_f32(x, k);
+  const int64_t m = xf.size(0);
+  at::Tensor out = at::empty({m, n}, xf.options());
+  const int64_t level = get_level();
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  const void* wp = w.data_ptr();
+  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+    if (bf16) {
+      const auto* p = static_cast<const uint16_t*>(wp);
+      if (level == kAvx512)
+        kvb_avx512::bf16_rows(xp, m, k, p, n0, n1, op, n);
+      else if (level == kAvx2)
+        kvb_avx2::bf16_rows(xp, m, k, p, n0, n1, op, n);
+      else
+        kvb_scalar::bf16_rows(xp, m, k, p, n0, n1, op, n);
+    } else {
+      const auto* p = static_cast<const float*>(wp);
+      if (level == kAvx512)
+        kvb_avx512::f32_rows(xp, m, k, p, n0, n1, op, n);
+      else if (level == kAvx2)
+        kvb_avx2::f32_rows(xp, m, k, p, n0, n1, op, n);
+      else
+        kvb_scalar::f32_rows(xp, m, k, p, n0, n1, op, n);
+    }
+  });
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvboost, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor weight, int n) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight) -> Tensor");
   m.def("set_isa_level(int level) -> int", &set_level);
   m.def("isa_level() -> int", &get_level);
   m.def("host_isa_level() -> int", &get_host_level);
@@ -164,4 +202,5 @@ TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("dense_linear", &dense_linear);
+  m.impl("linear", &linear);
 }

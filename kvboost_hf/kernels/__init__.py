@@ -27,6 +27,7 @@ from kvboost_hf.kernels.layout import (
     pack_int8,
     unpack_int4,
 )
+from kvboost_hf.kernels.linear import KernelLinear
 from kvboost_hf.kernels.ops import (
     ISA_LEVELS,
     current_isa,
@@ -34,6 +35,7 @@ from kvboost_hf.kernels.ops import (
     host_isa,
     int4_linear,
     int8_linear,
+    linear,
     loaded,
     select_isa,
 )
@@ -57,7 +59,7 @@ def available() -> KernelStatus:
 
 
 __all__ = [
-    "ISA_LEVELS", "DenseBlocks", "Int4Blocks", "Int8Blocks", "KernelStatus", "available", "current_isa",
+    "ISA_LEVELS", "DenseBlocks", "Int4Blocks", "Int8Blocks", "KernelLinear", "KernelStatus", "linear", "available", "current_isa",
     "dense_linear", "host_isa", "int4_groups", "int4_linear", "int4_qweight", "int8_linear", "pack_dense",
     "pack_int4", "pack_int8", "select_isa", "unpack_int4",
 ]

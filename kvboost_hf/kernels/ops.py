@@ -91,6 +91,14 @@ def dense_linear(x: torch.Tensor, w: DenseBlocks) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.out_features)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a bf16/float32 ``[N, K]`` weight as it is (``K`` a multiple of 16), in ``x``'s dtype:
+    16 interleaved float32 partial sums over ``k`` added in a fixed tree, so rows stay bit-independent."""
+    out = torch.ops.kvboost.linear(_rows(x, weight.shape[1]), weight)
+    out = out.reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
 def _register_fakes() -> None:
     def fake(x: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
@@ -98,3 +106,4 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::int4_linear")(lambda x, q, s, z, g, n: fake(x, n))
     torch.library.register_fake("kvboost::int8_linear")(lambda x, q, s, n: fake(x, n))
     torch.library.register_fake("kvboost::dense_linear")(lambda x, w, n: fake(x, n))
+    torch.library.register_fake("kvboost::linear")(lambda x, w: fake(x, w.shape[0]))

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kvboost_hf.kernels import KernelLinear
 from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
 from kvboost_hf.streaming.config import StreamingAWQConfig
 from kvboost_hf.streaming.kernel import resolve_int4_kernel
@@ -224,6 +225,9 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         "staging %.1f MB", config.residency_mode, kernel.name, stats.streamed_layers, stats.resident_int4_bytes / 1e6,
         stats.streamed_int4_bytes / 1e6, config.host, stats.staging_bytes / 1e6,
     )
+    head = model.get_output_embeddings()
+    if kernel.amortises_rows and KernelLinear.supports(head):  # the head's rows as independent as the rest
+        model.set_output_embeddings(KernelLinear.adopt(head))
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()

@@ -146,3 +146,37 @@ def test_ops_trace_under_torch_compile(built):
     x = torch.randn(5, 128)
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), f(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_major_linear_matches_reference_rows_and_paths(dtype, isa_paths):
+    """nn.Linear's own [N, K] weight (the tied LM head): its own fixed order, same guarantees."""
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(203, 160, generator=gen).to(dtype)
+    bias = torch.randn(203, generator=gen)
+    x = torch.randn(40, 160, generator=gen)
+    outs = []
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        out = kernels.linear(x, weight)
+        close(out, reference(x, weight.float()), x, weight.float())
+        alone = torch.cat([kernels.linear(x[i : i + 1], weight) for i in range(40)])
+        assert torch.equal(out, alone), isa
+        assert torch.equal(kernels.linear(x[:9], weight), out[:9]), isa
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(kernels.linear(x, weight, bias), outs[0] + bias)
+    with pytest.raises(RuntimeError, match="in_features must be a multiple of 16"):
+        kernels.linear(torch.randn(1, 20), torch.randn(8, 20))
+
+
+def test_kernel_linear_adopts_a_tied_head_without_copying():
+    emb = torch.nn.Embedding(64, 32)
+    head = torch.nn.Linear(32, 64, bias=False)
+    head.weight = emb.weight
+    adopted = kernels.KernelLinear.adopt(head)
+    assert adopted.weight is emb.weight and isinstance(adopted, torch.nn.Linear)
+    x = torch.randn(3, 32)
+    close(adopted(x), reference(x, emb.weight.detach()), x, emb.weight.detach())
+    with pytest.raises(TypeError, match="plain nn.Linear"):
+        kernels.KernelLinear.adopt(adopted)

@@ -31,6 +31,11 @@ def test_every_mode_on_the_kvboost_kernel_equals_its_resident_model(family, tiny
     _, path = tiny_awq[family]
     reference = load_awq(path, residency_mode="full_resident", kernel="kvboost")
     assert kernel_names(reference) == {"kvboost"}
+    # the head runs on the kernels too, its weight still the embedding's where they are tied
+    head = reference.get_output_embeddings()
+    assert isinstance(head, kernels.KernelLinear)
+    if reference.config.tie_word_embeddings:
+        assert head.weight is reference.get_input_embeddings().weight
     prompt = _ids(20, 3)
     with torch.no_grad():
         ref_logits = reference(prompt).logits
@@ -84,3 +89,39 @@ def test_kvboost_off_cpu_is_refused():
     with pytest.raises(ValueError, match="runs on CPU only"):
         kernel_module.resolve_int4_kernel("kvboost", torch.device("meta"))
     assert kernel_module.resolve_int4_kernel("auto", torch.device("meta")).name == "torch"
+
+
+def verified_and_stepped(model, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import DynamicCache
+
+    from kvboost_hf.speculative.exact_rows import route_rows, verifying
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :prefix], past_key_values=cache, use_cache=True)
+        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0]
+                           for t in range(prefix, ids.shape[1])])
+        cache = DynamicCache(config=model.config)
+        with verifying(model):
+            model(ids[:, :prefix], past_key_values=cache, use_cache=True)
+            route_rows(ids.shape[1] - prefix)
+            verified = model(ids[:, prefix:], past_key_values=cache, use_cache=True).logits[0]
+    return verified, steps
+
+
+def test_verified_logits_equal_decode_steps_bit_for_bit(tiny_awq, kernels_built):
+    """With the head on the kernels too, a verification forward's logits (rows routed through
+    attention one by one) equal the decode steps' logits exactly, not only the hidden states."""
+    _, path = tiny_awq["gemma3"]
+    model = load_awq(path, residency_mode="partial_resident", keep_first_k=1, keep_last_k=1, kernel="kvboost",
+                     dtype=torch.float32)
+    verified, steps = verified_and_stepped(model, _ids(30, 12), 21)
+    assert torch.equal(verified, steps)
+
+
+def test_gemma_verified_logits_equal_decode_steps(gemma_awq, kernels_built):
+    """The same on the embedded Gemma (bf16, 262k-row tied head)."""
+    model = load_awq(gemma_awq, residency_mode="full_resident", kernel="kvboost")
+    ids = torch.randint(10, 20000, (1, 49), generator=torch.Generator().manual_seed(3))
+    verified, steps = verified_and_stepped(model, ids, 40)
+    assert torch.equal(verified, steps)
