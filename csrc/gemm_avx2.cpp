@@ -10,19 +10,22 @@ namespace kvb_avx2 {
 namespace {
 
 constexpr int64_t kRowTile = 6;
+constexpr int kSmallBlocks = 2;
 
 struct V16 {
   __m256 lo, hi;
   static inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static inline V16 int4(const uint8_t* p, const V16& z, const V16& s) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m256 ql = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    const __m256 qh = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+  static inline V16 nibbles(__m128i codes, const V16& z, const V16& s) {
+    const __m256 ql = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+    const __m256 qh = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
     return {_mm256_mul_ps(_mm256_sub_ps(ql, z.lo), s.lo), _mm256_mul_ps(_mm256_sub_ps(qh, z.hi), s.hi)};
+  }
+  static inline void int4x2(const uint8_t* p, const V16& z, const V16& s, V16& w0, V16& w1) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    w0 = nibbles(_mm_and_si128(bytes, mask), z, s);
+    w1 = nibbles(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), z, s);
   }
   static inline V16 i8(const int8_t* p) {
     const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));

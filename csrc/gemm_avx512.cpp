@@ -9,17 +9,19 @@ namespace kvb_avx512 {
 namespace {
 
 constexpr int64_t kRowTile = KVB_MAX_ROW_TILE;
+constexpr int kSmallBlocks = 4;
 
 struct V16 {
   __m512 v;
   static inline V16 zero() { return {_mm512_setzero_ps()}; }
   static inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static inline V16 int4(const uint8_t* p, const V16& z, const V16& s) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  static inline void int4x2(const uint8_t* p, const V16& z, const V16& s, V16& w0, V16& w1) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
-    return {_mm512_mul_ps(_mm512_sub_ps(q, z.v), s.v)};
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+    w0 = {_mm512_mul_ps(_mm512_sub_ps(q0, z.v), s.v)};
+    w1 = {_mm512_mul_ps(_mm512_sub_ps(q1, z.v), s.v)};
   }
   static inline V16 i8(const int8_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};

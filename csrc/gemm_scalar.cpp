@@ -8,6 +8,7 @@ namespace kvb_scalar {
 namespace {
 
 constexpr int64_t kRowTile = KVB_MIN_ROW_TILE;
+constexpr int kSmallBlocks = 1;
 
 struct V16 {
   float v[16];
@@ -21,13 +22,12 @@ struct V16 {
     for (int j = 0; j < 16; ++j) r.v[j] = p[j];
     return r;
   }
-  static inline V16 int4(const uint8_t* p, const V16& z, const V16& s) {
-    V16 r;
-    for (int j = 0; j < 8; ++j) {
-      r.v[j] = (static_cast<float>(p[j] & 0x0F) - z.v[j]) * s.v[j];
-      r.v[8 + j] = (static_cast<float>(p[j] >> 4) - z.v[8 + j]) * s.v[8 + j];
+  // Rows k and k + 1 of a block: byte j holds column j of row k (low nibble) and of row k + 1 (high).
+  static inline void int4x2(const uint8_t* p, const V16& z, const V16& s, V16& w0, V16& w1) {
+    for (int j = 0; j < 16; ++j) {
+      w0.v[j] = (static_cast<float>(p[j] & 0x0F) - z.v[j]) * s.v[j];
+      w1.v[j] = (static_cast<float>(p[j] >> 4) - z.v[j]) * s.v[j];
     }
-    return r;
   }
   static inline V16 i8(const int8_t* p) {
     V16 r;

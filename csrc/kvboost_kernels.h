@@ -7,7 +7,8 @@
 // bit-identical for every M; and as fma is exactly rounded, every ISA path gives the same bits.
 //
 // Weight layouts: output columns in blocks of 16, block b holding columns 16b..16b+15, K rows each.
-//   int4:  uint8 [NB, K, 8]: byte j of row k holds column j (low nibble) and column 8+j (high);
+//   int4:  uint8 [NB, K, 8] (K even): the 16 bytes of rows 2p and 2p+1 hold, in byte j, column j
+//          of row 2p (low nibble) and column j of row 2p+1 (high nibble);
 //          scales, zeros float [NB, K/G, 16]; w = (q - zero) * scale.
 //   int8:  int8  [NB, K, 16]; per-column float scale [NB * 16], applied once after the sum.
 //   bf16:  uint16 [NB, K, 16] (bf16 bits); fp32: float [NB, K, 16].

@@ -47,11 +47,16 @@ class Int4Blocks:
 
 
 def int4_qweight(codes: torch.Tensor) -> torch.Tensor:
-    """Codes ``[N, K]`` (0..15) -> uint8 ``[NB, K, 8]``: byte j holds column j (low nibble) and 8+j (high)."""
+    """Codes ``[N, K]`` (0..15, K even) -> uint8 ``[NB, K, 8]``: per block, the 16 bytes of rows 2p and
+    2p+1 hold in byte j column j of row 2p (low nibble) and of row 2p+1 (high nibble)."""
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
         raise ValueError("int4 codes must lie in 0..15")
+    if codes.shape[1] % 2:
+        raise ValueError(f"int4 in_features must be even, got {codes.shape[1]}")
     c = _blocks(codes.to(torch.uint8))  # [NB, K, 16]
-    return (c[..., :8] | (c[..., 8:] << 4)).contiguous()
+    nb, k = c.shape[:2]
+    pairs = c.reshape(nb, k // 2, 2, BLOCK)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(nb, k, 8).contiguous()
 
 
 def int4_groups(t: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,9 @@ def pack_dense(weight: torch.Tensor) -> DenseBlocks:
 def unpack_int4(blocks: Int4Blocks) -> torch.Tensor:
     """The float32 weight ``[N, K]`` that :class:`Int4Blocks` stands for (the tests' reference)."""
     q = blocks.qweight
-    codes = torch.cat([q & 0xF, q >> 4], dim=-1).to(torch.float32)  # [NB, K, 16]
+    nb, k = q.shape[:2]
+    pairs = q.reshape(nb, k // 2, 1, BLOCK)
+    codes = torch.cat([pairs & 0xF, pairs >> 4], dim=2).reshape(nb, k, BLOCK).to(torch.float32)
     g = blocks.group_size
     s = blocks.scales.repeat_interleave(g, dim=1)
     z = blocks.zeros.repeat_interleave(g, dim=1)
