@@ -11,7 +11,7 @@ the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. Per process, interleaved, 
   200-token prompt, a 9-row forward there (verification), a 256-token prefill, for kernel="kvboost"
   and kernel="torch", against the bf16 float model's prefill. Greedy continuations are compared.
 
-    python benchmarks/kernels.py [--reps 7] [--paths avx512,avx2]
+    python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from _common import DOCS_BENCH, environment, median, write_json  # noqa: E402
 
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
-TORCH_CAPABILITY = {"avx512": "avx512", "avx2": "avx2", "scalar": "default"}
+TORCH_CAPABILITY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "default"}
 
 
 def timed(fn, reps: int) -> float:
@@ -165,7 +165,7 @@ def worker(reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--paths", default="avx512,avx2")
+    parser.add_argument("--paths", default="avx512_bf16,avx512,avx2")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

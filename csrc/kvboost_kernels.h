@@ -44,6 +44,13 @@ KVB_DECLARE_ISA(kvb_scalar)
 KVB_DECLARE_ISA(kvb_avx2)
 KVB_DECLARE_ISA(kvb_avx512)
 
+// The AVX-512 BF16 path: int4 weights, bf16 activations (bits as uint16), its own numerics
+// (gemm_avx512bf16.cpp); `strip` holds K * 8 uint32 (a block's K x 16 weights as bf16 pairs).
+namespace kvb_avx512bf16 {
+void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
+                 int64_t group, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
+}
+
 // The int4 kernels decode a block's K x 16 weights into `strip` (K * 16 floats, from the caller)
 // when the rows span more than one row tile; no path uses more rows per tile than this.
 constexpr int64_t KVB_MAX_ROW_TILE = 8;

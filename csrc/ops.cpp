@@ -13,13 +13,13 @@
 
 namespace {
 
-enum Level : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Level : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 int64_t host_level() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
-    return kAvx512;
+    return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
   return kScalar;
 }
@@ -57,6 +57,26 @@ at::Tensor finish(const at::Tensor& out, int64_t n, at::ScalarType dtype) {
   return result.scalar_type() == dtype ? result : result.to(dtype);
 }
 
+// bf16 activations on the AVX-512 BF16 path (its own numerics: see gemm_avx512bf16.cpp).
+at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                            const at::Tensor& zeros, int64_t group, int64_t n) {
+  const int64_t blocks = q.size(0), k = q.size(1);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "], got ", x.sizes());
+  const at::Tensor xb = x.contiguous();
+  const int64_t m = xb.size(0);
+  at::Tensor out = at::empty({m, 16 * blocks}, xb.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint32_t> strip(k * 8);
+    kvb_avx512bf16::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, strip.data());
+  });
+  return finish(out, n, x.scalar_type());
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
                        int64_t group, int64_t n) {
   check_blocks(q, at::kByte, 8, "qweight");
@@ -67,10 +87,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scales.size(0) == blocks && scales.size(1) == k / group && zeros.sizes() == scales.sizes(),
               "scales and zeros must be [", blocks, ", ", k / group, ", 16], got ", scales.sizes(), " and ",
               zeros.sizes());
+  const int64_t level = get_level();
+  if (level == kAvx512Bf16 && x.scalar_type() == at::kBFloat16) return int4_linear_bf16(x, q, scales, zeros, group, n);
   const at::Tensor xf = rows_f32(x, k);
   const int64_t m = xf.size(0);
   at::Tensor out = at::empty({m, 16 * blocks}, xf.options());
-  const int64_t level = get_level();
   const float* xp = xf.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -79,7 +100,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> strip(m > KVB_MIN_ROW_TILE ? k * 16 : 0);
     float* sbuf = strip.data();
-    if (level == kAvx512)
+    if (level >= kAvx512)
       kvb_avx512::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
     else if (level == kAvx2)
       kvb_avx2::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
@@ -104,7 +125,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    if (level == kAvx512)
+    if (level >= kAvx512)
       kvb_avx512::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
     else if (level == kAvx2)
       kvb_avx2::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
@@ -130,7 +151,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     if (bf16) {
       const auto* p = static_cast<const uint16_t*>(wp);
-      if (level == kAvx512)
+      if (level >= kAvx512)
         kvb_avx512::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
       else if (level == kAvx2)
         kvb_avx2::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
@@ -138,7 +159,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
         kvb_scalar::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
     } else {
       const auto* p = static_cast<const float*>(wp);
-      if (level == kAvx512)
+      if (level >= kAvx512)
         kvb_avx512::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
       else if (level == kAvx2)
         kvb_avx2::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
@@ -167,7 +188,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     if (bf16) {
       const auto* p = static_cast<const uint16_t*>(wp);
-      if (level == kAvx512)
+      if (level >= kAvx512)
         kvb_avx512::bf16_rows(xp, m, k, p, n0, n1, op, n);
       else if (level == kAvx2)
         kvb_avx2::bf16_rows(xp, m, k, p, n0, n1, op, n);
@@ -175,7 +196,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
         kvb_scalar::bf16_rows(xp, m, k, p, n0, n1, op, n);
     } else {
       const auto* p = static_cast<const float*>(wp);
-      if (level == kAvx512)
+      if (level >= kAvx512)
         kvb_avx512::f32_rows(xp, m, k, p, n0, n1, op, n);
       else if (level == kAvx2)
         kvb_avx2::f32_rows(xp, m, k, p, n0, n1, op, n);

@@ -25,7 +25,7 @@ from kvboost_hf.models.loading import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("ops.cpp", "gemm_scalar.cpp", "gemm_avx2.cpp", "gemm_avx512.cpp")
+SOURCES = ("ops.cpp", "gemm_scalar.cpp", "gemm_avx2.cpp", "gemm_avx512.cpp", "gemm_avx512bf16.cpp")
 HEADERS = ("kvboost_kernels.h", "gemm_body.inc")
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 DISABLE_ENV = "KVBOOST_HF_KERNELS"  # "0": never build or use the kernels

@@ -13,9 +13,10 @@ from kvboost_hf.kernels.layout import DenseBlocks, Int4Blocks, Int8Blocks
 
 logger = logging.getLogger(__name__)
 
-ISA_LEVELS = ("scalar", "avx2", "avx512")
-ISA_ENV = "KVBOOST_HF_KERNEL_ISA"  # force a path: scalar, avx2 or avx512 (lowered to what the CPU has)
-_TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
+# avx512_bf16 differs from avx512 only for int4 weights with bf16 activations (vdpbf16ps: its own bits).
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+ISA_ENV = "KVBOOST_HF_KERNEL_ISA"  # force a path (lowered to what the CPU has)
+_TORCH_CAPABILITY = {"AVX512": "avx512_bf16", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
 
 _registered = False
 
@@ -44,7 +45,8 @@ def default_isa() -> str:
 
 def select_isa(name: str | None) -> str:
     """Run the kernels on ``name``'s path (``None``: :func:`default_isa`), lowered to what this CPU has;
-    returns the path in effect. Every path gives the same bits: only speed differs."""
+    returns the path in effect. The scalar, AVX2 and AVX-512 paths give the same bits; avx512_bf16
+    gives its own for int4 weights with bf16 activations (everything else as avx512)."""
     wanted = default_isa() if name is None else name
     if wanted not in ISA_LEVELS:
         raise ValueError(f"isa must be one of {', '.join(ISA_LEVELS)}, got {wanted!r}")

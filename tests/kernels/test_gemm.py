@@ -112,12 +112,15 @@ def test_thread_count_never_changes_a_bit(built):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
-def test_bf16_activations_give_bf16_outputs_of_the_float_result(built):
+def test_bf16_activations_give_bf16_outputs_of_the_float_result(isa_paths):
     blocks = random_int4(48, 128, 32, True, seed=1)[0]
     x = torch.randn(2, 3, 128).to(torch.bfloat16)
-    out = kernels.int4_linear(x, blocks)
-    assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
-    assert torch.equal(out, kernels.int4_linear(x.float(), blocks).to(torch.bfloat16))
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        out = kernels.int4_linear(x, blocks)
+        assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
+        if isa != "avx512_bf16":  # that one has its own numerics for bf16 activations (tested below)
+            assert torch.equal(out, kernels.int4_linear(x.float(), blocks).to(torch.bfloat16))
 
 
 def test_bad_inputs_say_what_to_change(built):
@@ -180,3 +183,50 @@ def test_kernel_linear_adopts_a_tied_head_without_copying():
     close(adopted(x), reference(x, emb.weight.detach()), x, emb.weight.detach())
     with pytest.raises(TypeError, match="plain nn.Linear"):
         kernels.KernelLinear.adopt(adopted)
+
+
+def emulated_bf16_path(x: torch.Tensor, blocks) -> torch.Tensor:
+    """The avx512_bf16 path's definition in torch: bf16 weights, k-pairs in order, the odd element of a
+    pair first; each bf16 x bf16 product is exact in float32, so ``acc + x * w`` is one rounding."""
+    w = unpack_int4(blocks).to(torch.bfloat16).float().T  # [K, N]
+    xf = x.float()
+    acc = torch.zeros(x.shape[0], w.shape[1])
+    for p in range(0, x.shape[1], 2):
+        acc = acc + xf[:, p + 1 : p + 2] * w[p + 1]
+        acc = acc + xf[:, p : p + 1] * w[p]
+    return acc
+
+
+def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built):
+    if built.host_isa != "avx512_bf16":  # asking for it gives the best path there is, with the fp32 bits
+        blocks = random_int4(32, 64, 32, True, seed=6)[0]
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        assert kernels.select_isa("avx512_bf16") == built.host_isa
+        got = kernels.int4_linear(x, blocks)
+        kernels.select_isa("scalar")
+        assert torch.equal(got, kernels.int4_linear(x, blocks))
+        kernels.select_isa(None)
+        return
+    try:
+        kernels.select_isa("avx512_bf16")
+        blocks = random_int4(72, 256, 64, True, seed=6)[0]
+        x = torch.randn(70, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+        out = torch.ops.kvboost.int4_linear(x, blocks.qweight, blocks.scales, blocks.zeros, 64, 72)
+        assert out.dtype == torch.bfloat16
+        raw = emulated_bf16_path(x, blocks)
+        assert torch.equal(out, raw.to(torch.bfloat16))
+        for m in (1, 2, 3, 9, 17, 64):
+            assert torch.equal(kernels.int4_linear(x[:m], blocks), out[:m]), m
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(kernels.int4_linear(x, blocks), out)
+        finally:
+            torch.set_num_threads(threads)
+        # float32 activations keep the float32 paths' bits on this level
+        xf = x.float()
+        fp32 = kernels.int4_linear(xf, blocks)
+        kernels.select_isa("scalar")
+        assert torch.equal(kernels.int4_linear(xf, blocks), fp32)
+    finally:
+        kernels.select_isa(None)
