@@ -28,6 +28,37 @@ inline __m512i decode_pair(const uint8_t* p, __m512 z, __m512 s) {
   return _mm512_or_si512(lo, hi);
 }
 
+// Few rows: decode in registers (no buffer), NB blocks' chains at once; the same bits as `tile`.
+template <int MR, int NB>
+inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t* q, int64_t qstride,
+                       const float* scales, const float* zeros, int64_t sstride, int64_t group, float* out,
+                       int64_t ldo) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
+    __m512 s[NB], z[NB];
+    for (int b = 0; b < NB; ++b) {
+      s[b] = _mm512_loadu_ps(scales + b * sstride + 16 * gi);
+      z[b] = _mm512_loadu_ps(zeros + b * sstride + 16 * gi);
+    }
+    for (int64_t i = g0; i < g0 + group; i += 2) {
+      __m512i pair[MR];
+      for (int r = 0; r < MR; ++r) {
+        int32_t bits;
+        __builtin_memcpy(&bits, x + r * ldx + i, sizeof bits);
+        pair[r] = _mm512_set1_epi32(bits);
+      }
+      for (int b = 0; b < NB; ++b) {
+        const __m512bh w = (__m512bh)decode_pair(q + b * qstride + 8 * i, z[b], s[b]);
+        for (int r = 0; r < MR; ++r) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)pair[r], w);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * ldo + 16 * b, acc[r][b]);
+}
+
 template <int MR>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint32_t* strip, float* out, int64_t ldo) {
   __m512 acc[MR];
@@ -47,9 +78,29 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint32_t* stri
 
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
-  const int64_t groups = k / group;
+  const int64_t groups = k / group, qstride = k * 8, sstride = groups * 16;
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* qb = q + b * k * 8;
+    const uint8_t* qb = q + b * qstride;
+    const float* sb = scales + b * sstride;
+    const float* zb = zeros + b * sstride;
+    float* ob = out + 16 * b;
+    if (m <= 2 && b + 4 <= b1) {
+      if (m == 1)
+        tile_fused<1, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo);
+      else
+        tile_fused<2, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo);
+      b += 3;
+      continue;
+    }
+    if (m <= 4) {
+      switch (m) {
+        case 1: tile_fused<1, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
+        case 2: tile_fused<2, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
+        case 3: tile_fused<3, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
+        default: tile_fused<4, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
+      }
+      continue;
+    }
     for (int64_t gi = 0; gi < groups; ++gi) {  // decode the block once, for every row
       const __m512 s = _mm512_loadu_ps(scales + (b * groups + gi) * 16);
       const __m512 z = _mm512_loadu_ps(zeros + (b * groups + gi) * 16);
