@@ -11,7 +11,6 @@ namespace {
 
 constexpr int64_t kRowTile = 6;
 constexpr int64_t kNkRowTile = kRowTile;
-constexpr bool kNkPair = false;  // row-major weights: 2 weight rows per pass from 3 rows on
 constexpr int kSmallBlocks = 2;
 
 struct V16 {

@@ -10,7 +10,6 @@ namespace {
 
 constexpr int64_t kRowTile = KVB_MAX_ROW_TILE;
 constexpr int64_t kNkRowTile = 9;  // 9 x + 18 accumulators + 2 weights in 32 registers
-constexpr bool kNkPair = true;  // row-major weights: 2 weight rows per pass from 3 rows on
 constexpr int kSmallBlocks = 4;
 
 struct V16 {

@@ -9,7 +9,6 @@ namespace {
 
 constexpr int64_t kRowTile = KVB_MIN_ROW_TILE;
 constexpr int64_t kNkRowTile = kRowTile;
-constexpr bool kNkPair = false;  // row-major weights: 2 weight rows per pass from 3 rows on
 constexpr int kSmallBlocks = 1;
 
 struct V16 {

@@ -49,6 +49,10 @@ KVB_DECLARE_ISA(kvb_avx512)
 namespace kvb_avx512bf16 {
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
+// Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations: 16 lanes of k-pairs, then
+// the fixed tree.
+void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
+               int64_t ldo);
 }
 
 // The int4 kernels decode a block's K x 16 weights into `strip` (K * 16 floats, from the caller)

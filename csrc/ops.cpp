@@ -177,6 +177,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous CPU [N, K] tensor");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % 16 == 0, "in_features must be a multiple of 16, got ", k);
+  if (get_level() == kAvx512Bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+      k % 32 == 0 && x.device().is_cpu() && x.dim() == 2 && x.size(1) == k) {
+    const at::Tensor xb = x.contiguous();
+    const int64_t m = xb.size(0);
+    at::Tensor out = at::empty({m, n}, xb.options().dtype(at::kFloat));
+    const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+    const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) { kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, op, n); });
+    return out.to(x.scalar_type());
+  }
   const at::Tensor xf = rows_f32(x, k);
   const int64_t m = xf.size(0);
   at::Tensor out = at::empty({m, n}, xf.options());

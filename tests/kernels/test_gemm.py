@@ -230,3 +230,43 @@ def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built
         assert torch.equal(kernels.int4_linear(xf, blocks), fp32)
     finally:
         kernels.select_isa(None)
+
+
+def emulated_bf16_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The avx512_bf16 path for a row-major bf16 weight and bf16 activations, written in torch: lane j
+    of chunk c takes k = 32c + 2j + 1 then 32c + 2j (exact products, one rounding per sum), then the
+    fixed tree over the 16 lanes."""
+    m, k = x.shape
+    xs = x.float().reshape(m, 1, k // 32, 16, 2)
+    ws = weight.float().reshape(1, -1, k // 32, 16, 2)
+    acc = torch.zeros(m, weight.shape[0], 16)
+    for c in range(k // 32):
+        acc = acc + xs[:, :, c, :, 1] * ws[:, :, c, :, 1]
+        acc = acc + xs[:, :, c, :, 0] * ws[:, :, c, :, 0]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half : 2 * half]
+    return acc[..., 0]
+
+
+def test_the_avx512_bf16_row_major_path_is_its_definition(built):
+    gen = torch.Generator().manual_seed(12)
+    weight = torch.randn(70, 192, generator=gen).to(torch.bfloat16)
+    x = torch.randn(20, 192, generator=gen).to(torch.bfloat16)
+    if built.host_isa != "avx512_bf16":  # the best path there is, with the float32 paths' bits
+        assert kernels.select_isa("avx512_bf16") == built.host_isa
+        got = kernels.linear(x, weight)
+        kernels.select_isa("scalar")
+        assert torch.equal(got, kernels.linear(x, weight))
+        kernels.select_isa(None)
+        return
+    try:
+        kernels.select_isa("avx512_bf16")
+        out = kernels.linear(x, weight)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, emulated_bf16_rows(x, weight).to(torch.bfloat16))
+        for m in (1, 2, 9, 10, 19):
+            assert torch.equal(kernels.linear(x[:m], weight), out[:m]), m
+        kernels.select_isa("avx512")  # float32 activations, or another path: the float32 order
+        assert torch.equal(kernels.linear(x, weight), kernels.linear(x.float(), weight).to(torch.bfloat16))
+    finally:
+        kernels.select_isa(None)
