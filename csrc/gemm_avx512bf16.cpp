@@ -1,9 +1,11 @@
-// AVX-512 BF16 path (vdpbf16ps), int4 weights with bf16 activations only. Its own numerics, not
-// the fp32 paths' bits: weights are rounded to bf16, w = bf16((q - zero) * scale), and each output
-// accumulates, for k-pairs p = 0, 1, ... in order, acc += x[2p+1] * w[2p+1] then acc += x[2p] * w[2p]
-// (each product exact in fp32, each sum rounded to nearest even; denormals flushed), which is what
-// one vdpbf16ps lane does. The order depends neither on M nor on threads, so rows stay
-// bit-independent on this path too. Compiled for AVX-512 BF16, called only when the CPU has it.
+// AVX-512 BF16 path (vdpbf16ps), bf16 activations only, with numerics of its own (not the fp32
+// paths' bits). int4: the codes q (0..15, exact in bf16) meet x in vdpbf16ps, and the scale and zero
+// are applied once per group. Per output element, per group g in order:
+//   t = 0; for each k-pair p of the group in order: t += x[2p+1] q[2p+1]; t += x[2p] q[2p]
+//   (each product exact in fp32, each sum rounded: one vdpbf16ps lane; denormals flushed);
+//   acc = acc + s * (t - z * xs[g])   (each operation rounded), xs[g] = the same pair sum of x alone.
+// Nothing depends on M or on threads, so rows are bit-independent on this path too. Compiled for
+// AVX-512 BF16, called only when the CPU has it.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #include <immintrin.h>
 
@@ -14,62 +16,78 @@ namespace {
 
 constexpr int kRowTile = 8;
 
-// Rows 2p and 2p + 1 of a block decoded and rounded to bf16, interleaved: 32-bit lane j holds column
-// j of row 2p (low half) and of row 2p + 1 (high half), as vdpbf16ps pairs them.
-inline __m512i decode_pair(const uint8_t* p, __m512 z, __m512 s) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-  const __m256bh w0 = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(q0, z), s));
-  const __m256bh w1 = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(q1, z), s));
-  const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(w0));
-  const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(w1)), 16);
-  return _mm512_or_si512(lo, hi);
+inline __m512i code_table() {  // bf16 bits of 0.0 .. 15.0, indexed by a 16-bit lane's code
+  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
+                          0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
 }
 
-// Few rows: decode in registers (no buffer), NB blocks' chains at once; the same bits as `tile`.
+// Rows 2p and 2p + 1 of a block as bf16 codes, paired as vdpbf16ps wants: 32-bit lane j holds
+// column j of row 2p (low half) and of row 2p + 1 (high half).
+inline __m512i code_pair(const uint8_t* p, __m512i table) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+  const __m512i hi = _mm512_and_si512(_mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F0000));
+  return _mm512_permutexvar_epi16(_mm512_or_si512(lo, hi), table);
+}
+
+inline __m512i x_pair(const uint16_t* x) {
+  int32_t bits;
+  __builtin_memcpy(&bits, x, sizeof bits);
+  return _mm512_set1_epi32(bits);
+}
+
+// acc + s * (t - z * xs): the group's scale and zero, once per group.
+inline __m512 close_group(__m512 acc, __m512 t, __m512 s, __m512 z, float xs) {
+  const __m512 u = _mm512_sub_ps(t, _mm512_mul_ps(z, _mm512_set1_ps(xs)));
+  return _mm512_add_ps(acc, _mm512_mul_ps(s, u));
+}
+
+// Few rows: codes decoded in registers, NB blocks' chains at once; the same bits as `tile`.
 template <int MR, int NB>
 inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t* q, int64_t qstride,
-                       const float* scales, const float* zeros, int64_t sstride, int64_t group, float* out,
-                       int64_t ldo) {
+                       const float* scales, const float* zeros, int64_t sstride, int64_t group, const float* xs,
+                       int64_t groups, float* out, int64_t ldo) {
+  const __m512i table = code_table();
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
-    __m512 s[NB], z[NB];
-    for (int b = 0; b < NB; ++b) {
-      s[b] = _mm512_loadu_ps(scales + b * sstride + 16 * gi);
-      z[b] = _mm512_loadu_ps(zeros + b * sstride + 16 * gi);
-    }
+    __m512 t[MR][NB];
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < NB; ++b) t[r][b] = _mm512_setzero_ps();
     for (int64_t i = g0; i < g0 + group; i += 2) {
       __m512i pair[MR];
-      for (int r = 0; r < MR; ++r) {
-        int32_t bits;
-        __builtin_memcpy(&bits, x + r * ldx + i, sizeof bits);
-        pair[r] = _mm512_set1_epi32(bits);
-      }
+      for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i);
       for (int b = 0; b < NB; ++b) {
-        const __m512bh w = (__m512bh)decode_pair(q + b * qstride + 8 * i, z[b], s[b]);
-        for (int r = 0; r < MR; ++r) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)pair[r], w);
+        const __m512bh w = (__m512bh)code_pair(q + b * qstride + 8 * i, table);
+        for (int r = 0; r < MR; ++r) t[r][b] = _mm512_dpbf16_ps(t[r][b], (__m512bh)pair[r], w);
       }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = _mm512_loadu_ps(scales + b * sstride + 16 * gi);
+      const __m512 z = _mm512_loadu_ps(zeros + b * sstride + 16 * gi);
+      for (int r = 0; r < MR; ++r) acc[r][b] = close_group(acc[r][b], t[r][b], s, z, xs[r * groups + gi]);
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * ldo + 16 * b, acc[r][b]);
 }
 
+// Many rows: the block's codes decoded once into `strip`, then every row tile.
 template <int MR>
-inline void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint32_t* strip, float* out, int64_t ldo) {
+inline void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint32_t* strip, const float* scales,
+                 const float* zeros, int64_t group, const float* xs, int64_t groups, float* out, int64_t ldo) {
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) {
-    const __m512bh w = (__m512bh)_mm512_loadu_si512(strip + 16 * p);
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
+    __m512 t[MR];
+    for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_ps();
+    for (int64_t i = g0; i < g0 + group; i += 2) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(strip + 8 * i);
+      for (int r = 0; r < MR; ++r) t[r] = _mm512_dpbf16_ps(t[r], (__m512bh)x_pair(x + r * ldx + i), w);
     }
+    const __m512 s = _mm512_loadu_ps(scales + 16 * gi), z = _mm512_loadu_ps(zeros + 16 * gi);
+    for (int r = 0; r < MR; ++r) acc[r] = close_group(acc[r], t[r], s, z, xs[r * groups + gi]);
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
@@ -124,9 +142,27 @@ void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64
   }
 }
 
+void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* xs) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
+      float sum = 0.0f;
+      for (int64_t i = g0; i < g0 + group; i += 2) {  // the pair order of vdpbf16ps: odd element first
+        uint32_t odd = static_cast<uint32_t>(x[r * k + i + 1]) << 16, even = static_cast<uint32_t>(x[r * k + i]) << 16;
+        float fo, fe;
+        __builtin_memcpy(&fo, &odd, sizeof fo);
+        __builtin_memcpy(&fe, &even, sizeof fe);
+        sum = sum + fo;
+        sum = sum + fe;
+      }
+      xs[r * (k / group) + gi] = sum;
+    }
+  }
+}
+
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
-                 int64_t group, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
+                 int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
   const int64_t groups = k / group, qstride = k * 8, sstride = groups * 16;
+  const __m512i table = code_table();
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qb = q + b * qstride;
     const float* sb = scales + b * sstride;
@@ -134,40 +170,36 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
     float* ob = out + 16 * b;
     if (m <= 2 && b + 4 <= b1) {
       if (m == 1)
-        tile_fused<1, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo);
+        tile_fused<1, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo);
       else
-        tile_fused<2, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo);
+        tile_fused<2, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo);
       b += 3;
       continue;
     }
     if (m <= 4) {
       switch (m) {
-        case 1: tile_fused<1, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
-        case 2: tile_fused<2, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
-        case 3: tile_fused<3, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
-        default: tile_fused<4, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, ob, ldo); break;
+        case 1: tile_fused<1, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
+        case 2: tile_fused<2, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
+        case 3: tile_fused<3, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
+        default: tile_fused<4, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
       }
       continue;
     }
-    for (int64_t gi = 0; gi < groups; ++gi) {  // decode the block once, for every row
-      const __m512 s = _mm512_loadu_ps(scales + (b * groups + gi) * 16);
-      const __m512 z = _mm512_loadu_ps(zeros + (b * groups + gi) * 16);
-      for (int64_t i = gi * group; i < (gi + 1) * group; i += 2)
-        _mm512_storeu_si512(strip + 8 * i, decode_pair(qb + 8 * i, z, s));
-    }
+    for (int64_t i = 0; i < k; i += 2) _mm512_storeu_si512(strip + 8 * i, code_pair(qb + 8 * i, table));
     for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
       const int64_t rows = m - r0 < kRowTile ? m - r0 : kRowTile;
       const uint16_t* xr = x + r0 * k;
-      float* o = out + r0 * ldo + 16 * b;
+      const float* xsr = xs + r0 * groups;
+      float* o = ob + r0 * ldo;
       switch (rows) {
-        case 1: tile<1>(xr, k, k, strip, o, ldo); break;
-        case 2: tile<2>(xr, k, k, strip, o, ldo); break;
-        case 3: tile<3>(xr, k, k, strip, o, ldo); break;
-        case 4: tile<4>(xr, k, k, strip, o, ldo); break;
-        case 5: tile<5>(xr, k, k, strip, o, ldo); break;
-        case 6: tile<6>(xr, k, k, strip, o, ldo); break;
-        case 7: tile<7>(xr, k, k, strip, o, ldo); break;
-        default: tile<8>(xr, k, k, strip, o, ldo); break;
+        case 1: tile<1>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
+        case 2: tile<2>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
+        case 3: tile<3>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
+        case 4: tile<4>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
+        case 5: tile<5>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
+        case 6: tile<6>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
+        case 7: tile<7>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
+        default: tile<8>(xr, k, k, strip, sb, zb, group, xsr, groups, o, ldo); break;
       }
     }
   }

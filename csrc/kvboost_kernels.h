@@ -44,11 +44,13 @@ KVB_DECLARE_ISA(kvb_scalar)
 KVB_DECLARE_ISA(kvb_avx2)
 KVB_DECLARE_ISA(kvb_avx512)
 
-// The AVX-512 BF16 path: int4 weights, bf16 activations (bits as uint16), its own numerics
-// (gemm_avx512bf16.cpp); `strip` holds K * 8 uint32 (a block's K x 16 weights as bf16 pairs).
+// The AVX-512 BF16 path: bf16 activations (bits as uint16), its own numerics (gemm_avx512bf16.cpp);
+// `strip` holds K * 8 uint32 (a block's K x 16 codes as bf16 pairs).
 namespace kvb_avx512bf16 {
+// xs: per row and group, the pair sum of x (group_sums), computed once per call.
+void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* xs);
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
-                 int64_t group, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
+                 int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
 // Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations: 16 lanes of k-pairs, then
 // the fixed tree.
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,

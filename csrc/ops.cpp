@@ -70,9 +70,12 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& q, const at::
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  std::vector<float> xs(m * (k / group));
+  kvb_avx512bf16::group_sums(xp, m, k, group, xs.data());
+  const float* xsp = xs.data();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint32_t> strip(k * 8);
-    kvb_avx512bf16::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, strip.data());
+    std::vector<uint32_t> strip(m > 4 ? k * 8 : 0);
+    kvb_avx512bf16::int4_blocks(xp, m, k, qp, sp, zp, group, xsp, b0, b1, op, 16 * blocks, strip.data());
   });
   return finish(out, n, x.scalar_type());
 }

@@ -186,15 +186,26 @@ def test_kernel_linear_adopts_a_tied_head_without_copying():
 
 
 def emulated_bf16_path(x: torch.Tensor, blocks) -> torch.Tensor:
-    """The avx512_bf16 path's definition in torch: bf16 weights, k-pairs in order, the odd element of a
-    pair first; each bf16 x bf16 product is exact in float32, so ``acc + x * w`` is one rounding."""
-    w = unpack_int4(blocks).to(torch.bfloat16).float().T  # [K, N]
+    """The avx512_bf16 path's definition in torch, one rounded float32 operation at a time: per group,
+    t sums x * q over the group's k-pairs in order, the odd element of a pair first (a bf16 x code
+    product is exact), xs sums x alone the same way, then acc = acc + s * (t - z * xs)."""
+    nb, k = blocks.qweight.shape[:2]
+    pairs = blocks.qweight.reshape(nb, k // 2, 1, 16)
+    q = torch.cat([pairs & 0xF, pairs >> 4], dim=2).reshape(nb, k, 16).transpose(1, 2).reshape(-1, k).float()
+    g = blocks.group_size
+    s = blocks.scales.transpose(0, 1).reshape(k // g, -1)  # [K/G, NB*16]
+    z = blocks.zeros.transpose(0, 1).reshape(k // g, -1)
     xf = x.float()
-    acc = torch.zeros(x.shape[0], w.shape[1])
-    for p in range(0, x.shape[1], 2):
-        acc = acc + xf[:, p + 1 : p + 2] * w[p + 1]
-        acc = acc + xf[:, p : p + 1] * w[p]
-    return acc
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for gi in range(k // g):
+        t = torch.zeros_like(acc)
+        xs = torch.zeros(x.shape[0], 1)
+        for p in range(gi * g, (gi + 1) * g, 2):
+            for i in (p + 1, p):
+                t = t + xf[:, i : i + 1] * q[:, i]
+                xs = xs + xf[:, i : i + 1]
+        acc = acc + s[gi] * (t - z[gi] * xs)
+    return acc[:, : blocks.out_features]
 
 
 def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built):
