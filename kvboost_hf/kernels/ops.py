@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -19,6 +20,7 @@ ISA_ENV = "KVBOOST_HF_KERNEL_ISA"  # force a path (lowered to what the CPU has)
 _TORCH_CAPABILITY = {"AVX512": "avx512_bf16", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
 
 _registered = False
+_register_lock = threading.Lock()
 
 
 def loaded() -> bool:
@@ -26,10 +28,11 @@ def loaded() -> bool:
     global _registered
     if load_library().library is None:
         return False
-    if not _registered:
-        _register_fakes()
-        select_isa(None)
-        _registered = True
+    with _register_lock:  # fake kernels may be registered once only
+        if not _registered:
+            _register_fakes()
+            select_isa(None)
+            _registered = True
     return True
 
 

@@ -118,6 +118,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     awq.add_argument("--staging-slots", type=int, default=2, help="streamed layers materialised at once")
     awq.add_argument("--awq-host", choices=["ram", "mmap"], default="ram",
                      help="where streamed weights live: host RAM, or a converted file mapped from disk")
+    awq.add_argument("--awq-kernel", choices=["auto", "kvboost", "torch"], default="auto",
+                     help="int4 GEMM: this package's CPU kernels (docs/kernels.md), torch's int4 op, or auto "
+                          "(kvboost on CPU when its kernels are built)")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--draft", default=None, metavar="int4|int8|prompt-lookup|store|PATH",
                       help="draft for every request (greedy and sampling): a self-draft of the model (int4 / int8), "

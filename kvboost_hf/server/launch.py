@@ -93,9 +93,9 @@ def load_served_model(args: argparse.Namespace):
     try:
         config = StreamingAWQConfig(residency_mode=args.awq_streaming, keep_first_k=args.keep_first_k,
                                     keep_last_k=args.keep_last_k, n_staging_slots=args.staging_slots,
-                                    host=args.awq_host)
+                                    host=args.awq_host, kernel=getattr(args, "awq_kernel", "auto"))
         return load_awq_model(args.model, config)
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:  # RuntimeError: --awq-kernel kvboost without built kernels
         raise ServeError(f"--awq-streaming: {err}") from err
 
 

@@ -36,6 +36,10 @@ def test_flags_load_a_streamed_model(awq_dir):
     assert is_streaming_model(model)
     assert (config.residency_mode, config.keep_first_k, config.keep_last_k, config.n_staging_slots, config.host) == (
         "partial_resident", 1, 2, 3, "mmap")
+    assert config.kernel == "auto"
+    torch_model, _ = load_served_model(parse("--model", str(awq_dir), "--awq-streaming", "full_resident",
+                                             "--awq-kernel", "torch"))
+    assert {m.kernel.name for m in torch_model.modules() if hasattr(m, "kernel")} == {"torch"}
 
 
 def test_bad_streaming_settings_are_serve_errors(awq_dir):
