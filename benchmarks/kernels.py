@@ -36,19 +36,9 @@ SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down
 TORCH_CAPABILITY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "default"}
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return median(samples) * 1e3
-
-
 def bandwidth_gbs(reps: int) -> float:
     big = torch.ones(128 * 1024 * 1024)
-    return big.numel() * 4 / timed(big.sum, reps) / 1e6
+    return big.numel() * 4 / interleave({"sum": big.sum}, reps)["sum"] / 1e6
 
 
 def layer_rows(reps: int) -> dict:

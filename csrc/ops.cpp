@@ -26,6 +26,12 @@ int64_t host_level() {
 
 std::atomic<int64_t> g_level{host_level()};
 
+// Calls fn of the path for `level` (AVX-512 BF16 runs the AVX-512 kernels except where ops say otherwise).
+#define KVB_BY_LEVEL(level, fn, ...)      \
+  ((level) >= kAvx512 ? kvb_avx512::fn(__VA_ARGS__) \
+   : (level) == kAvx2 ? kvb_avx2::fn(__VA_ARGS__)   \
+                      : kvb_scalar::fn(__VA_ARGS__))
+
 // Selects the ISA path: the wanted level, lowered to what this CPU has. Returns the level in effect.
 int64_t set_level(int64_t wanted) {
   const int64_t level = std::max<int64_t>(kScalar, std::min(wanted, host_level()));
@@ -103,12 +109,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> strip(m > KVB_MIN_ROW_TILE ? k * 16 : 0);
     float* sbuf = strip.data();
-    if (level >= kAvx512)
-      kvb_avx512::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
-    else if (level == kAvx2)
-      kvb_avx2::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
-    else
-      kvb_scalar::int4_blocks(xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
+    KVB_BY_LEVEL(level, int4_blocks, xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
   });
   return finish(out, n, x.scalar_type());
 }
@@ -128,12 +129,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    if (level >= kAvx512)
-      kvb_avx512::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
-    else if (level == kAvx2)
-      kvb_avx2::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
-    else
-      kvb_scalar::int8_blocks(xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
+    KVB_BY_LEVEL(level, int8_blocks, xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
   });
   return finish(out, n, x.scalar_type());
 }
@@ -154,20 +150,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     if (bf16) {
       const auto* p = static_cast<const uint16_t*>(wp);
-      if (level >= kAvx512)
-        kvb_avx512::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
-      else if (level == kAvx2)
-        kvb_avx2::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
-      else
-        kvb_scalar::bf16_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+      KVB_BY_LEVEL(level, bf16_blocks, xp, m, k, p, b0, b1, op, 16 * blocks);
     } else {
       const auto* p = static_cast<const float*>(wp);
-      if (level >= kAvx512)
-        kvb_avx512::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
-      else if (level == kAvx2)
-        kvb_avx2::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
-      else
-        kvb_scalar::f32_blocks(xp, m, k, p, b0, b1, op, 16 * blocks);
+      KVB_BY_LEVEL(level, f32_blocks, xp, m, k, p, b0, b1, op, 16 * blocks);
     }
   });
   return finish(out, n, x.scalar_type());
@@ -202,20 +188,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     if (bf16) {
       const auto* p = static_cast<const uint16_t*>(wp);
-      if (level >= kAvx512)
-        kvb_avx512::bf16_rows(xp, m, k, p, n0, n1, op, n);
-      else if (level == kAvx2)
-        kvb_avx2::bf16_rows(xp, m, k, p, n0, n1, op, n);
-      else
-        kvb_scalar::bf16_rows(xp, m, k, p, n0, n1, op, n);
+      KVB_BY_LEVEL(level, bf16_rows, xp, m, k, p, n0, n1, op, n);
     } else {
       const auto* p = static_cast<const float*>(wp);
-      if (level >= kAvx512)
-        kvb_avx512::f32_rows(xp, m, k, p, n0, n1, op, n);
-      else if (level == kAvx2)
-        kvb_avx2::f32_rows(xp, m, k, p, n0, n1, op, n);
-      else
-        kvb_scalar::f32_rows(xp, m, k, p, n0, n1, op, n);
+      KVB_BY_LEVEL(level, f32_rows, xp, m, k, p, n0, n1, op, n);
     }
   });
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());

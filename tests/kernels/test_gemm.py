@@ -208,15 +208,23 @@ def emulated_bf16_path(x: torch.Tensor, blocks) -> torch.Tensor:
     return acc[:, : blocks.out_features]
 
 
+def assert_bf16_path_falls_back(built, run) -> None:
+    """On a CPU without AVX-512 BF16, asking for that path gives the best path there is, with the
+    float32 paths' bits (those of the scalar path)."""
+    try:
+        assert kernels.select_isa("avx512_bf16") == built.host_isa
+        got = run()
+        kernels.select_isa("scalar")
+        assert torch.equal(got, run())
+    finally:
+        kernels.select_isa(None)
+
+
 def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built):
-    if built.host_isa != "avx512_bf16":  # asking for it gives the best path there is, with the fp32 bits
+    if built.host_isa != "avx512_bf16":
         blocks = random_int4(32, 64, 32, True, seed=6)[0]
         x = torch.randn(3, 64).to(torch.bfloat16)
-        assert kernels.select_isa("avx512_bf16") == built.host_isa
-        got = kernels.int4_linear(x, blocks)
-        kernels.select_isa("scalar")
-        assert torch.equal(got, kernels.int4_linear(x, blocks))
-        kernels.select_isa(None)
+        assert_bf16_path_falls_back(built, lambda: kernels.int4_linear(x, blocks))
         return
     try:
         kernels.select_isa("avx512_bf16")
@@ -263,12 +271,8 @@ def test_the_avx512_bf16_row_major_path_is_its_definition(built):
     gen = torch.Generator().manual_seed(12)
     weight = torch.randn(70, 192, generator=gen).to(torch.bfloat16)
     x = torch.randn(20, 192, generator=gen).to(torch.bfloat16)
-    if built.host_isa != "avx512_bf16":  # the best path there is, with the float32 paths' bits
-        assert kernels.select_isa("avx512_bf16") == built.host_isa
-        got = kernels.linear(x, weight)
-        kernels.select_isa("scalar")
-        assert torch.equal(got, kernels.linear(x, weight))
-        kernels.select_isa(None)
+    if built.host_isa != "avx512_bf16":
+        assert_bf16_path_falls_back(built, lambda: kernels.linear(x, weight))
         return
     try:
         kernels.select_isa("avx512_bf16")
