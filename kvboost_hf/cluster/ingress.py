@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvboost_hf.cluster.forwarding import ForwardedRequest, ResponseHead
+from kvboost_hf.cluster.metrics import merge_expositions
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,16 @@ def unavailable(err: BaseException) -> Response:
 
 
 class Ingress:
-    """Serve's HTTP entry: ``replicas`` is the handle of the :class:`~.replica.ModelReplica` deployment."""
+    """Serve's HTTP entry: ``replicas`` is the handle of the :class:`~.replica.ModelReplica` deployment;
+    with a ``metrics_board`` it answers ``GET /metrics`` itself, for every replica at once."""
 
-    def __init__(self, replicas) -> None:
+    def __init__(self, replicas, metrics_board=None) -> None:
         self.replicas = replicas.options(stream=True)
+        self.metrics_board = metrics_board
 
     async def __call__(self, request: Request) -> Response:
+        if self.metrics_board is not None and request.method == "GET" and request.url.path == "/metrics":
+            return await self._metrics()
         client = request.scope.get("client")
         forwarded = ForwardedRequest(request.method, request.url.path, request.scope.get("query_string", b""),
                                      tuple((bytes(k), bytes(v)) for k, v in request.scope.get("headers", [])),
@@ -70,6 +75,13 @@ class Ingress:
             response.raw_headers = list(head.headers)
             return response
         return unavailable(error)
+
+    async def _metrics(self) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        expositions = await self.metrics_board.current.remote()
+        return Response(merge_expositions(expositions), media_type=CONTENT_TYPE_LATEST,
+                        headers={"X-Kvboost-Replica": ",".join(expositions)})
 
     async def _rest(self, head: ResponseHead, stream) -> AsyncIterator[bytes]:
         if head.body:

@@ -13,6 +13,7 @@ import os
 from collections.abc import AsyncIterator
 
 from kvboost_hf.cluster.forwarding import ForwardedRequest, ResponseHead, run_asgi
+from kvboost_hf.cluster.metrics import MetricsPusher
 from kvboost_hf.cluster.routing import KEY_PREFIX_BYTES, Keying
 from kvboost_hf.cluster.watch import FileWatch
 from kvboost_hf.models.namespace import namespace
@@ -34,9 +35,10 @@ def replica_name() -> str:
 class ModelReplica:
     """Loads the model and builds the app from ``args`` (``kvboost-hf serve`` flags), with
     ``torch_threads`` threads (its share of the node's CPUs), and runs it: its lifespan starts with
-    the first request and ends when Serve stops the replica, after Serve drained its requests."""
+    the first request and ends when Serve stops the replica, after Serve drained its requests. With a
+    ``metrics_board`` (:class:`~.metrics.MetricsBoard` actor) it pushes its ``/metrics`` there."""
 
-    def __init__(self, args: argparse.Namespace, torch_threads: int | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, torch_threads: int | None = None, metrics_board=None) -> None:
         from kvboost_hf.server.launch import build_app
 
         logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())
@@ -52,6 +54,8 @@ class ModelReplica:
             tuple(state.leading_special))
         shared = self.app.state.tenancy.startup_scope()  # the shared entries' scope (with tenants only)
         self._shared_root = None if self.keying is None or shared is None else shared.root(self.keying.namespace)
+        self._pusher = None if metrics_board is None else MetricsPusher(metrics_board, self.name,
+                                                                         self.app.state.metrics.render)
         logger.info("replica %s ready", self.name)
 
     async def _start(self) -> None:
@@ -77,6 +81,8 @@ class ModelReplica:
                 "keying": None if self.keying is None else self.keying.as_dict()}
 
     async def __del__(self) -> None:
+        if self._pusher is not None:
+            self._pusher.stop()
         if self._started is not None and self._started.done():
             await self._lifespan.__aexit__(None, None, None)
 

@@ -31,9 +31,19 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
+def redis_url():
+    from tests.conftest import start_redis
+
+    process, url = start_redis()
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, redis_url):
     with ray_server("--replicas", "2", "--model", str(model_dir), "--api-keys", str(model_dir / "keys.json"),
-                    *FLAGS) as server:
+                    "--remote-store", redis_url, "--remote-prefix", "ray-test", *FLAGS) as server:
         yield server
 
 
@@ -86,7 +96,26 @@ CASES = [
 ]
 
 
+def requests_served(url: str, replicas_expected: int) -> tuple[float, set[str]]:
+    """The merged ``/metrics``' ``kvboost_requests_total`` over every replica, and the replicas it names
+    (waits until ``replicas_expected`` replicas have pushed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + 30
+    while True:
+        reply = httpx.get(url + "/metrics", timeout=60)
+        assert reply.status_code == 200
+        samples = [s for f in text_string_to_metric_families(reply.text) for s in f.samples
+                   if s.name == "kvboost_requests_total"]
+        named = {s.labels["replica"] for s in samples}
+        if len(named) >= replicas_expected or time.monotonic() > deadline:
+            assert set(reply.headers["x-kvboost-replica"].split(",")) >= named
+            return sum(s.value for s in samples), named
+        time.sleep(0.5)
+
+
 def test_every_route_answers_as_in_one_process(cluster, one_process, model_dir):
+    before, _ = requests_served(cluster.url, 2)
     for method, path, body, key in CASES:
         body = json.loads(json.dumps(body).replace('"m"', json.dumps(str(model_dir)))) if body else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -94,8 +123,11 @@ def test_every_route_answers_as_in_one_process(cluster, one_process, model_dir):
         local = one_process.request(method, path, json=body, headers=headers)
         assert comparable(ray_reply) == comparable(local), (method, path)
         assert ray_reply.headers["x-kvboost-replica"] in replicas()  # every response names its replica
-    metrics = httpx.get(cluster.url + "/metrics", timeout=60)
-    assert metrics.status_code == 200 and "kvboost_requests_total" in metrics.text
+    # /metrics answers for the whole application: each replica's samples, labelled with its id
+    deadline = time.monotonic() + 30
+    while (merged := requests_served(cluster.url, 2))[0] - before < len(CASES) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert merged == (before + len(CASES), set(replicas()))
 
 
 def conversation(server, model: str, key: str, topic: int, turns: int) -> list[tuple[str, int]]:
@@ -154,6 +186,60 @@ def test_a_replica_killed_mid_stream_ends_the_stream_cleanly_and_comes_back(clus
     while (len(replicas()) < 2 or victim in replicas()) and time.monotonic() < deadline:
         time.sleep(1)
     assert len(replicas()) == 2 and victim not in replicas()  # Ray started a new replica
+
+
+def merged_metric(url: str, name: str) -> dict[str, float]:
+    """One sample's value per replica in the merged ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
+
+
+def two_turns(server, model: str, key: str, between=lambda: None) -> list[dict]:
+    """A two-turn chat (``between`` runs between the turns): each turn's reply text and cached tokens."""
+    messages, seen = [], []
+    for turn in range(2):
+        if turn:
+            between()
+        messages.append({"role": "user", "content": cycle_words(40, start=3000 + turn * 50)})
+        reply = server.post("/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 5,
+                                                     "temperature": 0}, key=key)
+        assert reply.status_code == 200, reply.text
+        text = reply.json()["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": text})
+        seen.append({"text": text, "cached": reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]})
+    return seen
+
+
+def test_replicas_restarted_between_two_turns_warm_the_history_from_redis(cluster, model_dir):
+    """Bob's chat runs on live replicas; alice's same chat (under her own keys) has every replica killed
+    and restarted between its turns: her second turn reads her history from Redis, as much of it as
+    bob's second turn found in RAM, and replies the same."""
+    control = two_turns(cluster, str(model_dir), "key-bob")
+
+    def restart_every_replica() -> None:
+        deadline = time.monotonic() + 30  # the write-behind queue has reached Redis on every replica
+        while any(merged_metric(cluster.url, "kvboost_remote_pending_writes").values()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        before = set(replicas())
+        for replica in before:
+            kill_replica(replica)
+        deadline = time.monotonic() + 120
+        while (len(replicas()) < 2 or set(replicas()) & before) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert len(replicas()) == 2 and not set(replicas()) & before
+
+    restarted = two_turns(cluster, str(model_dir), "key-alice", between=restart_every_replica)
+    assert [t["text"] for t in restarted] == [t["text"] for t in control]
+    # the new replicas' RAM is empty: every cached token of the second turn came from Redis
+    assert restarted[1]["cached"] == control[1]["cached"] > restarted[0]["cached"]
+    deadline = time.monotonic() + 15  # pushed at most a second later: from Redis, on the new replicas
+    while not sum(merged_metric(cluster.url, "kvboost_remote_hits_total").values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sum(merged_metric(cluster.url, "kvboost_remote_hits_total").values()) > 0
 
 
 def test_stopping_drains_a_running_stream(cluster, model_dir):
