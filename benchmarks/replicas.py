@@ -130,11 +130,28 @@ def run_setting(url: str, work: list[list[str]], questions: list[str], turns: in
             "replies": [[t["text"] for t in chat] for chat in chats]}
 
 
+def remote_counters(url: str) -> dict[str, float]:
+    """The Redis tier's counters summed over replicas, from the ingress's merged ``/metrics`` (scraped
+    twice: the first scrape makes replicas push every second, the second reads their latest push)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvboost_hf.cluster.metrics import IDLE_PUSH_PERIOD_S
+
+    httpx.get(url + "/metrics", timeout=60)
+    time.sleep(IDLE_PUSH_PERIOD_S + 2)
+    totals: Counter = Counter()
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
+        for sample in family.samples:
+            if sample.name.startswith("kvboost_remote_"):
+                totals[sample.name.removeprefix("kvboost_remote_")] += sample.value
+    return dict(totals)
+
+
 def summarise(runs: list[dict]) -> dict:
     """Median over rounds of each metric, with every round's figures kept."""
     summary = {key: statistics.median(run[key] for run in runs) for key in METRICS}
     summary["follow_up_turns"] = runs[0]["follow_up_turns"]
-    summary["rounds"] = [{key: run[key] for key in (*METRICS, "turns_per_replica")} for run in runs]
+    summary["rounds"] = [{key: run[key] for key in (*METRICS, "turns_per_replica", "remote")} for run in runs]
     return summary
 
 
@@ -172,6 +189,7 @@ def main() -> None:
             url, stop, thread = start(opts.port, replicas, cpus, router, redis_url, opts.chunk_size)
             try:
                 run = run_setting(url, work, questions, opts.turns, opts.max_tokens, opts.think_ms)
+                run["remote"] = remote_counters(url) if redis else None
             finally:
                 stop.set()
                 thread.join(300)

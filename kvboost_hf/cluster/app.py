@@ -15,7 +15,7 @@ import sys
 import threading
 
 from kvboost_hf.cluster.ingress import Ingress
-from kvboost_hf.cluster.metrics import board_actor
+from kvboost_hf.cluster.metrics import MetricsBoard
 from kvboost_hf.cluster.replica import ModelReplica
 from kvboost_hf.server.command import ServeError, check_serve_args, served_model_name
 
@@ -62,7 +62,8 @@ def build_application(args: argparse.Namespace):
     from ray import serve
 
     threads = max(1, int(args.cpus_per_replica))  # build_app keeps --torch-threads when it is given
-    board = board_actor(f"{APP_NAME}-metrics")  # owned by this process: it goes when the application does
+    board = serve.deployment(MetricsBoard, name="kvboost-metrics", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=1000).bind()
     replicas = serve.deployment(ModelReplica, **replica_options(args)).bind(args, threads, board)
     ingress = serve.deployment(Ingress, name="kvboost-ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)

@@ -7,19 +7,24 @@ that dies mid-stream ends an SSE stream with an error event, never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvboost_hf.cluster.forwarding import ForwardedRequest, ResponseHead
-from kvboost_hf.cluster.metrics import merge_expositions
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 logger = logging.getLogger(__name__)
 
 RETRIES = 2  # other replicas tried when one fails before answering
+METRICS_TIMEOUT_S = 10.0
 
 
 def replica_failure(err: BaseException) -> bool:
@@ -45,9 +50,10 @@ def unavailable(err: BaseException) -> Response:
 
 class Ingress:
     """Serve's HTTP entry: ``replicas`` is the handle of the :class:`~.replica.ModelReplica` deployment;
-    with a ``metrics_board`` it answers ``GET /metrics`` itself, for every replica at once."""
+    with a ``metrics_board`` (a handle of :class:`~.metrics.MetricsBoard`) it answers ``GET /metrics``
+    itself, for every replica at once."""
 
-    def __init__(self, replicas, metrics_board=None) -> None:
+    def __init__(self, replicas, metrics_board: DeploymentHandle | None = None) -> None:
         self.replicas = replicas.options(stream=True)
         self.metrics_board = metrics_board
 
@@ -79,9 +85,12 @@ class Ingress:
     async def _metrics(self) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        expositions = await self.metrics_board.current.remote()
-        return Response(merge_expositions(expositions), media_type=CONTENT_TYPE_LATEST,
-                        headers={"X-Kvboost-Replica": ",".join(expositions)})
+        try:
+            body, merged = await asyncio.wait_for(self.metrics_board.merged.remote(), METRICS_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - the board restarting: a retryable 503, never a hang
+            logger.warning("the metrics board did not answer: %s", type(err).__name__)
+            return unavailable(err)
+        return Response(body, media_type=CONTENT_TYPE_LATEST, headers={"X-Kvboost-Replica": ",".join(merged)})
 
     async def _rest(self, head: ResponseHead, stream) -> AsyncIterator[bytes]:
         if head.body:

@@ -1,17 +1,19 @@
-"""One ``/metrics`` for the whole application: every replica pushes its own Prometheus exposition to a
-:class:`MetricsBoard` actor every :data:`PUSH_PERIOD_S`, and the ingress answers ``/metrics`` with all
-of them merged, each sample labelled ``replica="<Serve replica id>"``.
+"""One ``/metrics`` for the whole application: every replica pushes its own Prometheus exposition to
+the :class:`MetricsBoard` deployment, and the ingress answers ``/metrics`` with all of them merged,
+each sample labelled ``replica="<Serve replica id>"``.
 
 Push, not pull: Serve routes a request to *some* replica, never to each, so the ingress cannot ask
-them all. A replica that stops pushing (dead, or stopped) leaves the merge after :data:`STALE_S`.
+them all. Replicas push every :data:`PUSH_PERIOD_S` while someone scrapes, every
+:data:`IDLE_PUSH_PERIOD_S` otherwise; a replica silent for :data:`STALE_S` (dead) leaves the merge,
+and one that stops gracefully leaves it at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -21,39 +23,49 @@ from prometheus_client.samples import Sample
 
 logger = logging.getLogger(__name__)
 
-PUSH_PERIOD_S = 1.0  # how often a replica pushes its exposition
-STALE_S = 10.0  # a replica silent for this long is left out of the merge (and forgotten)
+PUSH_PERIOD_S = 1.0  # how often a replica pushes while /metrics is scraped
+IDLE_PUSH_PERIOD_S = 10.0  # ... and while nobody scraped for SCRAPED_S
+SCRAPED_S = 60.0
+STALE_S = 3 * IDLE_PUSH_PERIOD_S  # a replica silent for this long is left out of the merge (and forgotten)
+PUSH_TIMEOUT_S = 5.0
 REPLICA_LABEL = "replica"
+EXPORTED_LABEL = "exported_replica"  # where a sample's own `replica` label goes (as Prometheus does)
+_CREATED_OF = ("counter", "histogram", "summary")  # the families whose `<name>_created` is a timestamp
 
 
-class MetricsBoard:
-    """The latest exposition of each replica (a Ray actor: :func:`board_actor`)."""
-
-    def __init__(self, stale_s: float = STALE_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self.stale_s = stale_s
-        self.clock = clock
-        self.latest: dict[str, tuple[float, str]] = {}
-
-    def put(self, replica: str, exposition: str) -> None:
-        self.latest[replica] = (self.clock(), exposition)
-
-    def current(self) -> dict[str, str]:
-        """Each live replica's latest exposition; replicas silent past ``stale_s`` are dropped."""
-        now = self.clock()
-        self.latest = {r: (t, text) for r, (t, text) in self.latest.items() if now - t <= self.stale_s}
-        return {r: text for r, (_, text) in sorted(self.latest.items())}
-
-
-def board_actor(name: str):
-    """The application's :class:`MetricsBoard` actor called ``name`` (created by the first caller)."""
-    import ray
-
-    return ray.remote(num_cpus=0)(MetricsBoard).options(name=name, get_if_exists=True).remote()
+def _merged_families(expositions: dict[str, str]) -> Iterator[Metric]:
+    merged: dict[str, Metric] = {}
+    for replica, text in expositions.items():
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError as err:  # one bad exposition costs its replica's samples, not the page
+            logger.warning("replica %s pushed an exposition that does not parse: %s", replica, err)
+            continue
+        timestamped = {f.name for f in families if f.type in _CREATED_OF}
+        for family in families:
+            if family.type == "gauge" and family.name.endswith("_created") and \
+                    family.name[: -len("_created")] in timestamped:
+                continue  # a per-process creation time: meaningless once merged
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            if into.type != family.type:  # replicas of two versions: keep the first's, never an invalid page
+                logger.warning("metric %s is a %s on replica %s but a %s elsewhere: left out for it", family.name,
+                               family.type, replica, into.type)
+                continue
+            into.samples += [_labelled(sample, replica) for sample in family.samples]
+    return iter(merged.values())
 
 
-class _Merged(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
+def _labelled(sample: Sample, replica: str) -> Sample:
+    labels = dict(sample.labels)
+    if REPLICA_LABEL in labels:
+        labels[EXPORTED_LABEL] = labels.pop(REPLICA_LABEL)
+    labels[REPLICA_LABEL] = replica
+    return sample._replace(labels=labels)
+
+
+class _Families(Collector):
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
 
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
@@ -61,44 +73,72 @@ class _Merged(Collector):
 
 def merge_expositions(expositions: dict[str, str]) -> bytes:
     """The expositions of several replicas as one, each sample labelled with its replica (a family that
-    several replicas report is one family). Per-process ``*_created`` timestamps are left out."""
-    merged: dict[str, Metric] = {}
-    for replica, text in expositions.items():
-        families = list(text_string_to_metric_families(text))
-        names = {f.name for f in families}
-        for family in families:
-            if family.name.endswith("_created") and family.name[: -len("_created")] in names:
-                continue
-            into = merged.get(family.name)
-            if into is None:
-                into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-            into.samples += [Sample(s.name, {**s.labels, REPLICA_LABEL: replica}, s.value, s.timestamp, s.exemplar)
-                             for s in family.samples if not s.name.endswith("_created")]
+    several replicas report is one family). Per-process ``*_created`` timestamps are left out; a sample's
+    own ``replica`` label becomes ``exported_replica``; an exposition that does not parse is skipped."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(list(merged.values())))
+    registry.register(_Families(_merged_families(expositions)))
     return generate_latest(registry)
 
 
-class MetricsPusher:
-    """Pushes ``render()`` to ``board`` as ``replica`` every ``period_s`` from a daemon thread, until
-    :meth:`stop`. A push that fails is logged once and retried next period (metrics never fail serving)."""
+class MetricsBoard:
+    """The latest exposition of each replica, and their merge (a Serve deployment of one replica, so
+    Serve starts, restarts and deletes it with the application)."""
 
-    def __init__(self, board, replica: str, render: Callable[[], bytes], period_s: float = PUSH_PERIOD_S) -> None:
-        self.board, self.replica, self.render, self.period_s = board, replica, render, period_s
-        self._stop = threading.Event()
-        self._warned = False
-        self._thread = threading.Thread(target=self._run, name="kvboost-metrics-push", daemon=True)
-        self._thread.start()
+    def __init__(self, stale_s: float = STALE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_s = stale_s
+        self.clock = clock
+        self.latest: dict[str, tuple[float, str]] = {}
+        self.last_scrape = float("-inf")
+        self._merged: tuple[bytes, list[str]] | None = None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.board.put.remote(self.replica, self.render().decode())
-            except Exception as err:  # noqa: BLE001 - the board may be gone (application stopping)
-                if not self._warned:
-                    logger.warning("replica %s could not push its metrics: %s", self.replica, err)
-                    self._warned = True
-            self._stop.wait(self.period_s)
+    def put(self, replica: str, exposition: str) -> bool:
+        """Keep ``replica``'s latest exposition; whether someone scraped in the last :data:`SCRAPED_S`."""
+        self.latest[replica] = (self.clock(), exposition)
+        self._merged = None
+        self._prune()
+        return self.clock() - self.last_scrape <= SCRAPED_S
 
-    def stop(self) -> None:
-        self._stop.set()
+    def forget(self, replica: str) -> None:
+        """Leave ``replica`` out from now on (it stopped)."""
+        self.latest.pop(replica, None)
+        self._merged = None
+
+    def current(self) -> dict[str, str]:
+        """Each live replica's latest exposition, by replica id."""
+        self._prune()
+        return {r: text for r, (_, text) in sorted(self.latest.items())}
+
+    def merged(self) -> tuple[bytes, list[str]]:
+        """The live replicas' expositions merged (:func:`merge_expositions`), and the replicas merged."""
+        self.last_scrape = self.clock()
+        if self._prune() or self._merged is None:
+            current = self.current()
+            self._merged = merge_expositions(current), list(current)
+        return self._merged
+
+    def _prune(self) -> bool:
+        now = self.clock()
+        stale = [r for r, (t, _) in self.latest.items() if now - t > self.stale_s]
+        for replica in stale:
+            del self.latest[replica]
+        return bool(stale)
+
+
+async def push_metrics(board, replica: str, render: Callable[[], bytes]) -> None:
+    """Push ``render()`` to ``board`` (a handle of :class:`MetricsBoard`) as ``replica``, forever: every
+    :data:`PUSH_PERIOD_S` while it is scraped, every :data:`IDLE_PUSH_PERIOD_S` otherwise. A push that
+    fails or times out is logged once and tried again next period: metrics never fail serving."""
+    warned = False
+    while True:
+        period = IDLE_PUSH_PERIOD_S
+        try:
+            if await asyncio.wait_for(board.put.remote(replica, render().decode()), PUSH_TIMEOUT_S):
+                period = PUSH_PERIOD_S
+            warned = False
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the board restarting, or the application stopping
+            if not warned:
+                logger.warning("replica %s could not push its metrics: %s", replica, err)
+                warned = True
+        await asyncio.sleep(period)

@@ -11,13 +11,17 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from kvboost_hf.cluster.forwarding import ForwardedRequest, ResponseHead, run_asgi
-from kvboost_hf.cluster.metrics import MetricsPusher
+from kvboost_hf.cluster.metrics import PUSH_TIMEOUT_S, push_metrics
 from kvboost_hf.cluster.routing import KEY_PREFIX_BYTES, Keying
 from kvboost_hf.cluster.watch import FileWatch
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.reuse.state import reuse_state
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +40,10 @@ class ModelReplica:
     """Loads the model and builds the app from ``args`` (``kvboost-hf serve`` flags), with
     ``torch_threads`` threads (its share of the node's CPUs), and runs it: its lifespan starts with
     the first request and ends when Serve stops the replica, after Serve drained its requests. With a
-    ``metrics_board`` (:class:`~.metrics.MetricsBoard` actor) it pushes its ``/metrics`` there."""
+    ``metrics_board`` (a handle of the :class:`~.metrics.MetricsBoard` deployment) it pushes its
+    ``/metrics`` there from its event loop."""
 
-    def __init__(self, args: argparse.Namespace, torch_threads: int | None = None, metrics_board=None) -> None:
+    def __init__(self, args: argparse.Namespace, torch_threads: int | None = None, metrics_board: DeploymentHandle | None = None) -> None:
         from kvboost_hf.server.launch import build_app
 
         logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())
@@ -54,8 +59,10 @@ class ModelReplica:
             tuple(state.leading_special))
         shared = self.app.state.tenancy.startup_scope()  # the shared entries' scope (with tenants only)
         self._shared_root = None if self.keying is None or shared is None else shared.root(self.keying.namespace)
-        self._pusher = None if metrics_board is None else MetricsPusher(metrics_board, self.name,
-                                                                         self.app.state.metrics.render)
+        self._board, self._pushing = metrics_board, None
+        if metrics_board is not None:  # Serve runs __init__ on the replica's event loop
+            self._pushing = asyncio.get_running_loop().create_task(
+                push_metrics(metrics_board, self.name, self.app.state.metrics.render))
         logger.info("replica %s ready", self.name)
 
     async def _start(self) -> None:
@@ -81,8 +88,13 @@ class ModelReplica:
                 "keying": None if self.keying is None else self.keying.as_dict()}
 
     async def __del__(self) -> None:
-        if self._pusher is not None:
-            self._pusher.stop()
+        if self._pushing is not None:
+            self._pushing.cancel()
         if self._started is not None and self._started.done():
             await self._lifespan.__aexit__(None, None, None)
+        if self._board is not None:  # out of the merged /metrics now, not when it goes stale
+            try:
+                await asyncio.wait_for(self._board.forget.remote(self.name), PUSH_TIMEOUT_S)
+            except Exception as err:  # noqa: BLE001 - the board may be stopping too
+                logger.info("replica %s could not leave the metrics board: %s", self.name, err)
 

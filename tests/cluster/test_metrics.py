@@ -45,14 +45,44 @@ def test_no_replica_is_an_empty_exposition():
     assert merge_expositions({}) == b""
 
 
+def test_a_samples_own_replica_label_is_kept_as_exported_replica():
+    merged = merge_expositions({"a1": '# TYPE up gauge\nup{replica="upstream"} 1\n'}).decode()
+    assert samples(merged) == {("up", (("exported_replica", "upstream"), ("replica", "a1"))): 1.0}
+
+
+def test_only_the_timestamps_of_counters_and_histograms_are_left_out():
+    text = ('# TYPE jobs_total counter\njobs_total 2\n# TYPE jobs_created gauge\njobs_created 1.7e9\n'
+            '# TYPE batch_created gauge\nbatch_created 4\n')  # a real gauge of its own, no `batch` family
+    assert samples(merge_expositions({"a1": text}).decode()) == {
+        ("jobs_total", (("replica", "a1"),)): 2.0, ("batch_created", (("replica", "a1"),)): 4.0}
+
+
+def test_a_family_whose_type_differs_between_replicas_keeps_the_first_type():
+    merged = merge_expositions({"a1": "# TYPE depth gauge\ndepth 3\n",
+                                "b2": "# TYPE depth_total counter\ndepth_total 5\n"}).decode()
+    assert samples(merged) == {("depth", (("replica", "a1"),)): 3.0}  # one valid family, b2's left out
+
+
+def test_an_exposition_that_does_not_parse_costs_only_its_replica():
+    merged = merge_expositions({"a1": "# TYPE x gauge\nx 1\n", "b2": "x{ 1\n"}).decode()
+    assert samples(merged) == {("x", (("replica", "a1"),)): 1.0}
+
+
 def test_a_replica_that_stops_pushing_drops_out():
     now = [0.0]
     board = MetricsBoard(stale_s=10, clock=lambda: now[0])
-    board.put("a1", "x 1\n")
+    assert board.put("a1", "x 1\n") is False  # nobody scraped yet: the replica may push slowly
     now[0] = 6.0
     board.put("b2", "x 2\n")
-    assert board.current() == {"a1": "x 1\n", "b2": "x 2\n"}
+    body, merged = board.merged()
+    assert merged == ["a1", "b2"] and samples(body.decode()) == {("x", (("replica", "a1"),)): 1.0,
+                                                                  ("x", (("replica", "b2"),)): 2.0}
+    assert board.put("b2", "x 2\n") is True  # scraped: push every second
     now[0] = 12.0
-    assert board.current() == {"b2": "x 2\n"}
+    assert board.merged()[1] == ["b2"]  # a1 silent for 12 s
     board.put("a1", "x 3\n")  # a replica that comes back is merged again
     assert board.current() == {"a1": "x 3\n", "b2": "x 2\n"}
+    board.forget("a1")  # stopped gracefully: out at once
+    assert board.merged()[1] == ["b2"]
+    now[0] = 12.0 + 61
+    assert board.put("b2", "x 4\n") is False  # nobody scraped for a minute
