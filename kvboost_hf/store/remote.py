@@ -221,14 +221,15 @@ class RemoteTier:
                     self._call("cleanup", lambda n=name, f=k: self._client.hdel(n, f))  # malformed: drop it
         return out
 
-    def best_successor(self, parent: Key, ids: tuple[int, ...]) -> Key | None:
-        """The successor of ``parent`` whose claimed tokens match the most of ``ids`` (complete chunks win ties)."""
+    def best_successor(self, parent: Key, ids: tuple[int, ...]) -> tuple[Key, int] | None:
+        """The successor of ``parent`` whose claimed tokens match the most of ``ids`` (complete chunks win
+        ties), and how many tokens its index entry claims to match; None when none matches any."""
         best, best_n = None, 0
         for key, tokens in self.successors(parent, ids).items():
             n = common_prefix_length(tokens, ids)
             if n > best_n or (n == best_n and best is not None and len(tokens) == n):
                 best, best_n = key, n
-        return best
+        return None if best is None else (best, best_n)
 
     def read(self, key: Key, namespace: Key, *, via: tuple[Key, tuple[int, ...]] | None = None) -> StoredChunk | None:
         """The verified entry ``key`` at the most precise precision the store accepts, or None.

@@ -176,20 +176,31 @@ class ChunkStore(TieredChunks):
         hits: list[ChunkHit] = []
         parent, limit = root, len(ids)
         while pos < limit:
-            ended = False  # the chain ends inside a chunk: nothing can follow
+            # A local chunk the match ends in, or a sequence's short last chunk: Redis may hold a sibling
+            # that goes further (another replica's later turn of this conversation).
+            short: ChunkHit | None = None
             for key, used in self._index.match_path(parent, ids, self.chunk_size, pos):
                 entry = self._fetch(key, root, chain)
                 if entry is None:
                     break
+                if used < entry.num_tokens or entry.num_tokens < self.chunk_size:
+                    short = ChunkHit(entry, pos, used)
+                    chain.add(key)  # protected from the room a remote entry may need
+                    break
                 hits.append(ChunkHit(entry, pos, used))
                 chain.add(key)
-                pos, parent, ended = pos + used, key, used < entry.num_tokens
-                if ended:
-                    break
-            remote = not ended and pos < limit and time.monotonic() < deadline
-            found = self._remote_step(root, parent, ids, pos, chain) if remote else None
+                pos, parent = pos + used, key
+            remote = pos < limit and time.monotonic() < deadline
+            beat = 0 if short is None else short.num_tokens  # the index says so before any blob is read
+            found = self._remote_step(root, parent, ids, pos, chain, beat) if remote else None
             if found is None:
-                break
+                if short is None:
+                    break
+                hits.append(short)
+                if short.num_tokens < short.chunk.num_tokens:
+                    break  # the chain ends inside this chunk
+                pos, parent = pos + short.num_tokens, short.chunk.key  # a lone BOS chunk's successors follow
+                continue
             entry, used = found
             hits.append(ChunkHit(entry, pos, used))
             chain.add(entry.key)

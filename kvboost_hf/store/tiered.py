@@ -88,15 +88,18 @@ class TieredChunks:
         with self._lock:
             return self._ram.entries()
 
-    def _remote_step(self, namespace: Key, parent: Key, ids: tuple[int, ...], pos: int, protected: set[Key]):
+    def _remote_step(self, namespace: Key, parent: Key, ids: tuple[int, ...], pos: int, protected: set[Key],
+                     beat: int = 0):
         """``(entry, tokens used)``: the successor of ``parent`` in the remote tier matching the most of
-        ``ids[pos:]``, verified and promoted to RAM (and the disk tier); None when there is none."""
+        ``ids[pos:]`` (more than ``beat`` tokens), verified and promoted to RAM (and the disk tier); None
+        when there is none. Nothing is read when the index promises no more than ``beat``."""
         if self._remote is None:
             return None
         rest = ids[pos:]
-        best = self._remote.best_successor(parent, rest)
-        if best is None:
+        found = self._remote.best_successor(parent, rest)
+        if found is None or found[1] <= beat:
             return None
+        best = found[0]
         # Blob level: a blob missing (or only at precisions we do not serve) keeps its successor entry,
         # which other stores may use; one that does not decode or lies about its tokens loses it.
         loaded = self._remote.read_blob(best, namespace, via=(parent, rest))
@@ -104,7 +107,7 @@ class TieredChunks:
             return None
         entry = chunk_from_blob(best, loaded)
         used = common_prefix_length(entry.token_ids, rest) if entry is not None else 0  # the blob's tokens, not the index's
-        if entry is None or entry.parent != parent or used == 0 or not self.accepts(entry.bits):
+        if entry is None or entry.parent != parent or used <= beat or not self.accepts(entry.bits):
             self._remote.forget_successor(parent, rest, best)
             return None
         if self.stale(entry):

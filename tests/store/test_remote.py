@@ -391,3 +391,33 @@ def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(caplog):
         assert tier.check() is True
         assert any(r.levelno == logging.INFO and "reachable again" in r.getMessage() for r in caplog.records)
     store.close()
+
+
+def test_a_conversation_that_moves_between_replicas_keeps_its_whole_history(redis_url, prefix):
+    """Turns alternate between two replicas. Each turn's sequence ends in a short chunk, and the next
+    turn's prompt runs on past it: the replica that served an earlier turn holds that short chunk
+    (or a sibling matching a few tokens), while Redis holds the other replica's longer sibling and
+    its successors. The lookup takes the longer chain."""
+    a, b = replica(redis_url, prefix), replica(redis_url, prefix)
+    other = list(range(10, 12)) + [500, 501, 502, 503]  # another chat: its 2nd chunk shares one token
+    put(b, other)
+    turns = [list(range(10, 21))]  # 11 tokens: chunks of 4, 4 and a short one of 3
+    for extra in range(3):
+        turns.append(turns[-1] + [100 + 10 * extra + i for i in range(6)])
+    served_by = [a, b, a, b]
+    for turn, (tokens, store) in enumerate(zip(turns, served_by)):
+        hits = store.lookup(NS, tokens)
+        reused = sum(h.num_tokens for h in hits)
+        assert reused == (0 if turn == 0 else len(turns[turn - 1])), (turn, [(h.start, h.num_tokens) for h in hits])
+        put(store, tokens)
+        assert store.flush()
+    assert a.stats()["remote"]["hits"] > 0 and b.stats()["remote"]["hits"] > 0
+
+
+def test_a_local_chain_redis_cannot_improve_on_reads_no_blob(redis_url, prefix):
+    writer = replica(redis_url, prefix)
+    put(writer, TOKENS[:10])  # ends in a short chunk of 2, also written to Redis
+    assert writer.flush()
+    hits = writer.lookup(NS, TOKENS[:10] + [99, 98])
+    assert sum(h.num_tokens for h in hits) == 10
+    assert writer.stats()["remote"]["reads"] == 0  # the index offered only the same chunk: nothing read
