@@ -42,9 +42,11 @@ class BuildResult:
 
 
 def source_dir() -> Path | None:
-    """``csrc/`` beside the package (a source checkout or an editable install), or ``$KVBOOST_HF_CSRC``."""
+    """``$KVBOOST_HF_CSRC``, else the package's own ``kernels/csrc`` (the sources a wheel carries; in a
+    checkout, a link to the top-level ``csrc/``), else ``csrc/`` beside the package."""
     candidates = [Path(os.environ["KVBOOST_HF_CSRC"])] if os.environ.get("KVBOOST_HF_CSRC") else []
-    candidates.append(Path(__file__).resolve().parents[2] / "csrc")
+    here = Path(__file__).resolve().parent
+    candidates += [here / "csrc", here.parents[1] / "csrc"]
     return next((c for c in candidates if all((c / name).is_file() for name in SOURCES + HEADERS)), None)
 
 

@@ -43,3 +43,32 @@ def test_the_path_follows_aten_cpu_capability(built):
     assert probe(ATEN_CPU_CAPABILITY="default")["isa"] == "scalar"
     assert probe(KVBOOST_HF_KERNEL_ISA="scalar")["isa"] == "scalar"
     assert built.isa == levels[min(best, levels.index(kernels.ops.default_isa()))]
+
+
+def test_a_wheel_carries_the_sources_and_an_installed_package_finds_them(tmp_path: Path):
+    """``pip wheel`` packs csrc/ as kvboost_hf/kernels/csrc (a link in the checkout); unpacked without
+    the checkout, the package's source_dir() is its own copy."""
+    import shutil
+    import zipfile
+
+    from kvboost_hf.kernels.build import HEADERS, SOURCES
+
+    root, src = Path(__file__).resolve().parents[2], tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy(root / name, src / name)
+    shutil.copytree(root / "csrc", src / "csrc")
+    shutil.copytree(root / "kvboost_hf", src / "kvboost_hf", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert (src / "kvboost_hf" / "kernels" / "csrc").is_symlink()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("kvboost_hf-*.whl")))
+    packed = {n.rsplit("/", 1)[-1] for n in wheel.namelist() if n.startswith("kvboost_hf/kernels/csrc/")}
+    assert packed == set(SOURCES + HEADERS)
+    site = tmp_path / "site"
+    wheel.extractall(site)
+    found = subprocess.run([sys.executable, "-c", "from kvboost_hf.kernels.build import source_dir; print(source_dir())"],
+                           cwd=tmp_path, env={**{k: v for k, v in os.environ.items() if k != "KVBOOST_HF_CSRC"}, "PYTHONPATH": str(site)}, capture_output=True, text=True,
+                           check=True, timeout=120).stdout.strip()
+    assert Path(found) == site / "kvboost_hf" / "kernels" / "csrc"
