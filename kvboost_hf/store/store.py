@@ -176,31 +176,33 @@ class ChunkStore(TieredChunks):
         hits: list[ChunkHit] = []
         parent, limit = root, len(ids)
         while pos < limit:
-            # A local chunk the match ends in, or a sequence's short last chunk: Redis may hold a sibling
-            # that goes further (another replica's later turn of this conversation).
-            short: ChunkHit | None = None
+            last, hung = None, (parent, pos)  # the local path's last hit, and its parent and position
             for key, used in self._index.match_path(parent, ids, self.chunk_size, pos):
                 entry = self._fetch(key, root, chain)
                 if entry is None:
                     break
-                if used < entry.num_tokens or entry.num_tokens < self.chunk_size:
-                    short = ChunkHit(entry, pos, used)
-                    chain.add(key)  # protected from the room a remote entry may need
-                    break
-                hits.append(ChunkHit(entry, pos, used))
+                last, hung = ChunkHit(entry, pos, used), (parent, pos)
+                hits.append(last)
                 chain.add(key)
                 pos, parent = pos + used, key
-            remote = pos < limit and time.monotonic() < deadline
-            beat = 0 if short is None else short.num_tokens  # the index says so before any blob is read
-            found = self._remote_step(root, parent, ids, pos, chain, beat) if remote else None
-            if found is None:
-                if short is None:
+                if used < entry.num_tokens:
                     break
-                hits.append(short)
-                if short.num_tokens < short.chunk.num_tokens:
-                    break  # the chain ends inside this chunk
-                pos, parent = pos + short.num_tokens, short.chunk.key  # a lone BOS chunk's successors follow
-                continue
+            found = None
+            whole = last is None or last.num_tokens == last.chunk.num_tokens  # nothing local ends inside a chunk
+            if whole and pos < limit and time.monotonic() < deadline:
+                found = self._remote_step(root, parent, ids, pos, chain)
+            if found is None and last is not None and last.num_tokens < self.chunk_size:
+                # The local path ends in a chunk the prompt leaves, or in a short one (a sequence's last),
+                # and Redis has nothing after it: it may hold a sibling that goes further (another
+                # replica's later turn of the chat). Only the path's last chunk: match_path chose the
+                # longest local path, and a remote successor, when there is one, keeps it.
+                if limit - hung[1] > last.num_tokens and time.monotonic() < deadline:
+                    found = self._remote_step(root, hung[0], ids, hung[1], chain, beat=last.num_tokens)
+                    if found is not None:
+                        hits.pop()
+                        pos = hung[1]
+            if found is None:
+                break
             entry, used = found
             hits.append(ChunkHit(entry, pos, used))
             chain.add(entry.key)

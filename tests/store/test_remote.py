@@ -13,7 +13,7 @@ import torch
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, last_request_stats
 from kvboost_hf.store.remote_guard import CircuitBreaker, redact
 from tests.conftest import make_tiny, random_ids, start_redis
-from tests.store.test_store import NS, put
+from tests.store.test_store import NS, fake_states, put
 
 TOKENS = list(range(10, 22))  # three 4-token chunks
 
@@ -421,3 +421,38 @@ def test_a_local_chain_redis_cannot_improve_on_reads_no_blob(redis_url, prefix):
     hits = writer.lookup(NS, TOKENS[:10] + [99, 98])
     assert sum(h.num_tokens for h in hits) == 10
     assert writer.stats()["remote"]["reads"] == 0  # the index offered only the same chunk: nothing read
+
+
+def test_a_short_chunk_inside_the_local_chain_never_trades_it_for_a_remote_sibling(redis_url, prefix):
+    """Locally the prompt is chunked at a segment boundary (a short chunk of 2, then 12 more tokens);
+    Redis holds the same tokens chunked without it (a first chunk of 4 that goes further than the
+    short one). The longest local chain wins: match_path chose it, the sibling is never read."""
+    tokens = list(range(10, 26))  # 16 tokens
+    elsewhere = replica(redis_url, prefix)
+    put(elsewhere, tokens[:6] + [99, 98])  # chunks [10..13] [14, 15, 99, 98]: a sibling of the short chunk
+    assert elsewhere.flush()
+    local = replica(redis_url, prefix)
+    local.insert(NS, tokens, fake_states(tokens), boundaries=[2])  # [10, 11] [12..15] [16..19] [20..23] [24, 25]
+    calls = []
+    original = local._remote.successors
+    local._remote.successors = lambda *a: calls.append(a) or original(*a)
+    hits = local.lookup(NS, tokens + [7])
+    assert [(h.start, h.num_tokens) for h in hits] == [(0, 2), (2, 4), (6, 4), (10, 4), (14, 2)]
+    assert local.stats()["remote"]["reads"] == 0
+    assert len(calls) <= 2  # one sibling query for the path's last (short) chunk, one for its successors
+
+
+def test_a_short_last_chunk_with_successors_in_redis_keeps_them_before_any_sibling(redis_url, prefix):
+    """Locally only a lone BOS chunk matches. Redis holds the prompt's own chain after a lone BOS
+    (13 tokens) and a sibling of the BOS chunk that claims 4 tokens and then leaves the prompt. The
+    lookup follows the BOS chunk's successors, as before; the sibling would have ended it at 4."""
+    bos, text = [1], list(range(10, 22))
+    chained = replica(redis_url, prefix)
+    chained.insert(NS, bos + text, fake_states(bos + text), boundaries=[1])  # [1] [10..13] [14..17] [18..21]
+    unchained = replica(redis_url, prefix)
+    put(unchained, bos + text[:3] + [90, 91])  # [1, 10, 11, 12] [90, 91]
+    assert chained.flush() and unchained.flush()
+    local = replica(redis_url, prefix)
+    local.insert(NS, bos + [50, 51, 52, 53], fake_states(bos + [50, 51, 52, 53]), boundaries=[1])
+    hits = local.lookup(NS, bos + text)
+    assert [(h.start, h.num_tokens) for h in hits] == [(0, 1), (1, 4), (5, 4), (9, 4)]
