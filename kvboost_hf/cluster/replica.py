@@ -43,7 +43,8 @@ class ModelReplica:
     ``metrics_board`` (a handle of the :class:`~.metrics.MetricsBoard` deployment) it pushes its
     ``/metrics`` there from its event loop."""
 
-    def __init__(self, args: argparse.Namespace, torch_threads: int | None = None, metrics_board: DeploymentHandle | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, torch_threads: int | None = None,
+                 metrics_board: DeploymentHandle | None = None) -> None:
         from kvboost_hf.server.launch import build_app
 
         logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())

@@ -107,7 +107,8 @@ class TieredChunks:
             return None
         entry = chunk_from_blob(best, loaded)
         used = common_prefix_length(entry.token_ids, rest) if entry is not None else 0  # the blob's tokens, not the index's
-        if entry is None or entry.parent != parent or entry.start != pos or used <= beat or not self.accepts(entry.bits):
+        if (entry is None or entry.parent != parent or entry.start != pos or used <= beat
+                or not self.accepts(entry.bits)):
             self._remote.forget_successor(parent, rest, best)
             return None
         if self.stale(entry):

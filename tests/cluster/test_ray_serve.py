@@ -97,20 +97,30 @@ CASES = [
 ]
 
 
+def merged_samples(url: str, name: str) -> tuple[list, set[str]]:
+    """The samples called ``name`` in the merged ``/metrics``, and the replicas its header names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = httpx.get(url + "/metrics", timeout=60)
+    assert reply.status_code == 200
+    samples = [s for f in text_string_to_metric_families(reply.text) for s in f.samples if s.name == name]
+    return samples, set(reply.headers["x-kvboost-replica"].split(","))
+
+
+def merged_metric(url: str, name: str) -> dict[str, float]:
+    """One sample's value per replica in the merged ``/metrics``."""
+    return {s.labels["replica"]: s.value for s in merged_samples(url, name)[0]}
+
+
 def requests_served(url: str, replicas_expected: int) -> tuple[float, set[str]]:
     """The merged ``/metrics``' ``kvboost_requests_total`` over every replica, and the replicas it names
     (waits until ``replicas_expected`` replicas have pushed)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     deadline = time.monotonic() + 30
     while True:
-        reply = httpx.get(url + "/metrics", timeout=60)
-        assert reply.status_code == 200
-        samples = [s for f in text_string_to_metric_families(reply.text) for s in f.samples
-                   if s.name == "kvboost_requests_total"]
+        samples, header = merged_samples(url, "kvboost_requests_total")
         named = {s.labels["replica"] for s in samples}
         if len(named) >= replicas_expected or time.monotonic() > deadline:
-            assert set(reply.headers["x-kvboost-replica"].split(",")) >= named
+            assert header >= named
             return sum(s.value for s in samples), named
         time.sleep(0.5)
 
@@ -187,15 +197,6 @@ def test_a_replica_killed_mid_stream_ends_the_stream_cleanly_and_comes_back(clus
     while (len(replicas()) < 2 or victim in replicas()) and time.monotonic() < deadline:
         time.sleep(1)
     assert len(replicas()) == 2 and victim not in replicas()  # Ray started a new replica
-
-
-def merged_metric(url: str, name: str) -> dict[str, float]:
-    """One sample's value per replica in the merged ``/metrics``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=60).text
-    return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == name}
 
 
 def two_turns(server, model: str, key: str, between=lambda: None) -> list[dict]:

@@ -68,7 +68,8 @@ def test_a_wheel_carries_the_sources_and_an_installed_package_finds_them(tmp_pat
     assert packed == set(SOURCES + HEADERS)
     site = tmp_path / "site"
     wheel.extractall(site)
-    found = subprocess.run([sys.executable, "-c", "from kvboost_hf.kernels.build import source_dir; print(source_dir())"],
-                           cwd=tmp_path, env={**{k: v for k, v in os.environ.items() if k != "KVBOOST_HF_CSRC"}, "PYTHONPATH": str(site)}, capture_output=True, text=True,
+    env = {**{k: v for k, v in os.environ.items() if k != "KVBOOST_HF_CSRC"}, "PYTHONPATH": str(site)}
+    probe_code = "from kvboost_hf.kernels.build import source_dir; print(source_dir())"
+    found = subprocess.run([sys.executable, "-c", probe_code], cwd=tmp_path, env=env, capture_output=True, text=True,
                            check=True, timeout=120).stdout.strip()
     assert Path(found) == site / "kvboost_hf" / "kernels" / "csrc"
