@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvboost_hf.models import attention
 
@@ -128,6 +127,6 @@ def packed_rows_attention(cache: PackedRowsCache, module, query: torch.Tensor, k
             mask = attention.decode_step_mask(window, keys.shape[-2], query.device)
         else:
             mask = chunk_mask(keys.shape[-2] - seg.length, seg.length, window, query.device)
-        out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=scaling, is_causal=False, **kwargs)
+        out, _ = attention.sdpa_forward(module, q, keys, values, mask, scaling=scaling, is_causal=False, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0], None

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvboost_hf.models import attention
 from kvboost_hf.models.attention import attention_implementation
@@ -53,7 +52,7 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     the window; and the call must carry the decode step's mask either way."""
     rows = query.shape[2]
     if query.shape[0] != 1 or (expected_rows is not None and rows != expected_rows):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+        return attention.sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     window = attention.layer_window(module, sliding_window)
     kwargs.pop("is_causal", None)
@@ -62,7 +61,7 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     for i in range(rows):
         end = total - rows + i + 1
         start = max(0, end - window) if window is not None else 0
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end],
+        out, _ = attention.sdpa_forward(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end],
                                         attention.decode_step_mask(window, end - start, query.device), scaling=scaling,
                                         is_causal=False, **kwargs)
         outputs.append(out)

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvboost_hf.kernels import KernelLinear
+from kvboost_hf.models.attention import attention_in_float32
 from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
 from kvboost_hf.streaming.config import StreamingAWQConfig
 from kvboost_hf.streaming.kernel import resolve_int4_kernel
@@ -228,6 +229,8 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     head = model.get_output_embeddings()
     if kernel.amortises_rows and KernelLinear.supports(head):  # the head's rows as independent as the rest
         model.set_output_embeddings(KernelLinear.adopt(head))
+    if kernel.amortises_rows:  # our numerics: torch's bf16 SDPA is the slow part of a CPU decode step
+        attention_in_float32(model)
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()

@@ -49,10 +49,15 @@ def test_verified_rows_equal_decode_steps(family, prefix, tmp_path, monkeypatch)
     assert needs_exact_rows(target)
     ids = random_ids(prefix + 7, 4)
     calls = []
-    real = exact_rows.sdpa_attention_forward
-    monkeypatch.setattr(exact_rows, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    real = attention.sdpa_forward
     with torch.no_grad():
         decoded = _decode_hidden(target, ids, prefix)
+        def counted(*args, **kwargs):  # the routed forward's calls (the prefix prefill is not routed)
+            if attention.attention_route() is not None:
+                calls.append(args[1].shape[2])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(attention, "sdpa_forward", counted)
         verified = _verify_hidden(target, ids, prefix)
     assert torch.equal(verified, decoded)
     assert calls and set(calls) == {1}  # one query row per SDPA call

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
+from kvboost_hf.models.attention import FLOAT32_ATTR
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.speculative.draft_norm import DraftRMSNorm
 from kvboost_hf.speculative.head import DraftHead
@@ -63,7 +64,12 @@ def test_bf16_draft_computes_in_bf16_and_leaves_the_target_alone(reuse):
     with torch.no_grad():
         logits = draft(ids).logits
     assert seen == [torch.bfloat16] and logits.dtype == torch.float32
-    assert namespace(draft) != namespace(make_draft(model, bits=4, activations=torch.float32))
+    float_draft = make_draft(model, bits=4, activations=torch.float32)
+    assert namespace(draft) != namespace(float_draft)
+    # The bf16 draft's attention computes in float32 (CPU bf16 SDPA is slow); the target keeps stock SDPA.
+    assert getattr(draft.model.layers[0].self_attn, FLOAT32_ATTR, False) and draft.config._attn_implementation != "sdpa"
+    assert not any(getattr(m, FLOAT32_ATTR, False) for m in [*model.modules(), *float_draft.modules()])
+    assert model.config._attn_implementation == "sdpa"
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, draft=draft), ref)
     assert store.stats()["entries"] > 0
 

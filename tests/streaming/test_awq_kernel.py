@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from kvboost_hf import kernels
+from kvboost_hf.models.attention import FLOAT32_ATTR
+from kvboost_hf.models.namespace import namespace
 from kvboost_hf.streaming import kernel as kernel_module
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from tests.streaming.conftest import load_awq
@@ -47,6 +49,15 @@ def test_every_mode_on_the_kvboost_kernel_equals_its_resident_model(family, tiny
         with torch.no_grad():
             assert torch.equal(model(prompt).logits, ref_logits), settings
             assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), ref_tokens), settings
+
+
+def test_only_the_kvboost_kernel_computes_attention_in_float32(tiny_awq, kernels_built):
+    _, path = tiny_awq["gemma3"]
+    models = {kernel: load_awq(path, residency_mode="full_resident", kernel=kernel) for kernel in ("kvboost", "torch")}
+    marked = {kernel: [getattr(m, FLOAT32_ATTR, False) for m in model.modules() if type(m).__name__.endswith("Attention")]
+              for kernel, model in models.items()}
+    assert marked["kvboost"] and all(marked["kvboost"]) and not any(marked["torch"])
+    assert namespace(models["kvboost"]) != namespace(models["torch"])
 
 
 def test_kvboost_kernel_tracks_torch_kernel(tiny_awq, kernels_built):
