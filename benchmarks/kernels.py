@@ -9,7 +9,10 @@ the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. Per process, interleaved, 
   [N, K] layout that an int4 model's tied head runs on) against torch bf16/fp32;
 - the whole model packed by ``awq-pack`` (round-to-nearest, group 128, resident): decode step after a
   200-token prompt, a 9-row forward there (verification), a 256-token prefill, for kernel="kvboost"
-  and kernel="torch", against the bf16 float model's prefill. Greedy continuations are compared.
+  (also with its projections unfused and its one-row attention left in bf16, the same model object
+  switched per sample) and kernel="torch", against the bf16 float model; and a token of the int4
+  FR-Spec self-draft (``make_draft(bits=4, vocab=32768)``) of the kvboost model after the same
+  prompt. Greedy continuations are compared.
 
     python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2]
 """
@@ -92,6 +95,7 @@ def interleave(fns: dict, reps: int) -> dict:
 def whole_model(reps: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from kvboost_hf import make_draft
     from kvboost_hf.models import cache_dir, load_default_model
     from kvboost_hf.streaming import StreamingAWQConfig
     from kvboost_hf.streaming.pack import pack_model
@@ -104,6 +108,7 @@ def whole_model(reps: int) -> dict:
         path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel=kernel),
         dtype=torch.bfloat16).eval() for kernel in ("kvboost", "torch")}
     models["bf16 float"] = model.to(torch.bfloat16)
+    draft = make_draft(models["kvboost"], bits=4, vocab=32768, tokenizer=tokenizer)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, 20000, (1, 200), generator=gen)
     long = torch.randint(10, 20000, (1, 256), generator=gen)
@@ -130,16 +135,36 @@ def whole_model(reps: int) -> dict:
         m(long, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
         return time.perf_counter() - start
 
-    samples = {name: {"step": [], "verify9": [], "prefill256": []} for name in models}
+    settings = {"kvboost": (models["kvboost"], True), "kvboost unfused, bf16 attention": (models["kvboost"], False),
+                "torch": (models["torch"], True), "bf16 float": (models["bf16 float"], True)}
+    samples = {name: {"step": [], "verify9": [], "prefill256": []} for name in settings}
+    samples["int4 self-draft"] = {"step": []}
     for _ in range(reps):
-        for name, m in models.items():
+        for name, (m, this_session) in settings.items():
+            switch(m, this_session)
             samples[name]["step"].append(step(m) * 1e3)
             samples[name]["verify9"].append(verify(m) * 1e3)
             samples[name]["prefill256"].append(prefill(m) * 1e3)
+        switch(models["kvboost"], True)
+        samples["int4 self-draft"]["step"].append(step(draft) * 1e3)
     text = {name: m.generate(prompt[:, :64], max_new_tokens=24, do_sample=False)[0, 64:].tolist()
             for name, m in models.items()}
     return {"ms": {name: {k: median(v) for k, v in s.items()} for name, s in samples.items()},
             "greedy_same_as_torch_int4": {name: t == text["torch"] for name, t in text.items()}}
+
+
+def switch(model, on: bool) -> None:
+    """Fused projections and one-row float32 attention (kvboost kernel models) on or off, in place."""
+    from kvboost_hf.models.attention import FLOAT32_ATTR
+    from kvboost_hf.streaming.linear import AWQInt4Linear
+
+    groups = model.__dict__.setdefault("_bench_groups", {})
+    for module in model.modules():
+        if isinstance(module, AWQInt4Linear):
+            groups.setdefault(module, module.group)
+            module.group = groups[module] if on else None
+        if getattr(module, FLOAT32_ATTR, None) is not None and module is not model:
+            setattr(module, FLOAT32_ATTR, on)
 
 
 def worker(reps: int) -> dict:
@@ -177,8 +202,7 @@ def report(path: str, r: dict) -> None:
     for name, row in r["layers"].items():
         print(f"{name:32s} " + "  ".join(f"{k} {v:8.3f}" for k, v in row.items() if not k.endswith("bytes")))
     for name, row in r["model"]["ms"].items():
-        print(f"{name:12s} step {row['step']:7.1f} ms  9-row {row['verify9']:7.1f} ms  "
-              f"prefill256 {row['prefill256']:7.1f} ms")
+        print(f"{name:34s} " + "  ".join(f"{k} {v:7.1f} ms" for k, v in row.items()))
     print("greedy as torch int4:", r["model"]["greedy_same_as_torch_int4"])
 
 

@@ -16,7 +16,11 @@ identical to the plain one. Workloads:
    both prompts come from the store);
 4. repeated: the same FAQ questions asked again and templated agent steps re-emitting tool-call
    boilerplate; each variant's store first sees one untimed pass (the scenario is repetition);
-5. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
+5. int4: the model packed to AWQ int4 and loaded resident (``full_resident``, the default bf16
+   compute and ``kernel="auto"``: kvboost_hf's own kernels where built), on the chat and document
+   requests, plain against int4 self-drafts of its own weights: all layers, and the first
+   ``--lean-layers`` layers (issue 26's "RAM-resident int4 target with an int4 self-draft");
+6. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
    passage itself, or whatever loop the base model falls into: both are lookup's best case).
 
 Every workload with a lookup draft also runs transformers' own prompt lookup
@@ -205,6 +209,18 @@ def load_streamed(model, tokenizer, mbps: float):
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32).eval()
 
 
+def load_resident_int4(model, tokenizer):
+    """The packed checkpoint resident, on the default kernel and compute dtype (bf16 on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvboost_hf.streaming import StreamingAWQConfig
+
+    load_streamed(model, tokenizer, 0)  # packs the checkpoint once
+    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
+    config = StreamingAWQConfig(residency_mode="full_resident")
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
+
+
 def merged(earlier: dict, partial: dict) -> dict:
     """``earlier``'s results with the variants ``partial`` re-ran replaced (each with its own plain run:
     speed-ups are always against the plain runs interleaved with them)."""
@@ -270,8 +286,9 @@ def main() -> None:
     parser.add_argument("--awq-throttle-mbps", default="0,1000",
                         help="comma-separated host-source bandwidths of the streamed target in MB/s, one streamed "
                              "workload each (0: RAM speed; 1000: as in docs/streaming.md's overlap experiment)")
+    parser.add_argument("--lean-layers", type=int, default=6, help="layers of the int4 workload's lean self-draft")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--workloads", default="chat,document,streamed,repeated,copy")
+    parser.add_argument("--workloads", default="chat,document,streamed,int4,repeated,copy")
     parser.add_argument("--variants", default=None,
                         help="comma-separated variant name prefixes to run (plain always runs); their rows replace "
                              "those of docs/benchmarks/speculative.json, the other rows are kept (a partial re-run)")
@@ -329,6 +346,19 @@ def main() -> None:
             result["workloads"]["streamed-warm" + link] = bench_workload(streamed, prompts, only(variants), args,
                                                                          eos, store_bytes, warm_pass=True)
             del streamed, draft
+    if "int4" in chosen:
+        resident = load_resident_int4(model, tokenizer)
+        full = make_draft(resident, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
+        lean = make_draft(resident, bits=4, vocab=args.draft_vocab, layers=args.lean_layers, tokenizer=tokenizer)
+        vocab = f"vocab{args.draft_vocab // 1024}k"
+        variants = only({"plain": {}, f"int4-{vocab}": {"draft": full},
+                         f"int4-{vocab}-layers{args.lean_layers}": {"draft": lean}})
+        chat = [c[:1] for c in CHAT_TURNS[:1]] if args.quick else CHAT_TURNS
+        result["workloads"]["int4 chat"] = bench_workload(resident, None, variants, args, eos, store_bytes,
+                                                          chat=chat, tokenizer=tokenizer)
+        prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
+        result["workloads"]["int4 document"] = bench_workload(resident, prompts, variants, args, eos, store_bytes)
+        del resident, full, lean
     import json
 
     out_dir = Path(tempfile.mkdtemp(prefix="speculative-quick-")) if args.quick else DOCS_BENCH

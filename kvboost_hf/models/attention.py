@@ -9,10 +9,13 @@ keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``; o
 forward (a packed batch, a row-exact verification) the attention function is exactly SDPA.
 
 Attention layers of a model whose numerics kvboost_hf owns (an int4 model on our kernels, a
-self-draft) may be marked to compute SDPA in float32 (:func:`attention_in_float32`): on CPU, torch's
-bf16 SDPA for a few query rows is 3-4x slower than casting to float32 and back (173 against 57 us per
-decode call over 200 keys, 607 against 156 over 680, Gemma-3-270M's heads). Every SDPA call of
-kvboost_hf goes through :func:`sdpa_forward`, so routed, packed and plain forwards agree.
+self-draft) may be marked to compute SDPA in float32 (:func:`attention_in_float32`): on CPU (torch
+2.13), bf16 SDPA for a single query row, a decode step, takes a path 3-4x slower than casting to
+float32 and back (184 against 64 us over 209 keys, Gemma-3-270M's heads), while for more rows the two
+cost about the same (9 rows: 96 against 126 us; a 256-token prefill: ~3 ms either way). Every call
+is cast, whatever its rows, so that a prompt's numerics do not depend on how it is chunked (a batch
+row equals the request alone). Every SDPA call of kvboost_hf goes through :func:`sdpa_forward`, so
+routed, packed and plain forwards agree.
 
 Scattered queries and routes are per thread. The model's config, which every thread shares,
 is switched to ``kvboost_sdpa`` once, by :func:`use_kvboost_sdpa`, and never back per request:

@@ -29,6 +29,7 @@ from kvboost_hf.speculative.draft_norm import fuse_norms
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
 from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
+from kvboost_hf.streaming.fused import fuse_projections
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from kvboost_hf.streaming.loader import RUNTIME_ATTR
 
@@ -82,6 +83,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
             _replace(decoder, name, quantized_linear(module.weight, module.bias, bits))
         elif isinstance(module, AWQInt4Linear):
             _replace(decoder, name, _resident_copy(module, runtime, f"{_layers_name(model)}.{name}"))
+    fuse_projections(decoder)  # q/k/v and gate/up in one kernel call each (kvboost_hf's int4 kernel)
     tokens = None
     if vocab is not None:
         ranking = token_ranking(tokenizer, config.vocab_size, texts)

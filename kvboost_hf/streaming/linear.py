@@ -30,6 +30,7 @@ class AWQInt4Linear(nn.Module):
         self.group_size = group_size
         self.kernel = kernel or TorchInt4()
         self.streamed = False
+        self.group = None  # a fused ProjectionGroup (streaming.fused) this linear's calls go through
         self.staged_weight: torch.Tensor | None = None
         self.register_buffer("int4_weight", None)
         self.register_buffer("int4_scales_zeros", None)
@@ -53,7 +54,10 @@ class AWQInt4Linear(nn.Module):
             )
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        out = self.kernel.matmul(x2, packed, self.int4_scales_zeros, self.group_size, self.out_features)
+        if self.group is not None:
+            out = self.group.output(self, x, x2)
+        else:
+            out = self.kernel.matmul(x2, packed, self.int4_scales_zeros, self.group_size, self.out_features)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias

@@ -22,6 +22,7 @@ from kvboost_hf.kernels import KernelLinear
 from kvboost_hf.models.attention import attention_in_float32
 from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
 from kvboost_hf.streaming.config import StreamingAWQConfig
+from kvboost_hf.streaming.fused import fuse_projections
 from kvboost_hf.streaming.kernel import resolve_int4_kernel
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from kvboost_hf.streaming.source import HostSource, MmapSource, RamSource, cache_key
@@ -229,8 +230,9 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     head = model.get_output_embeddings()
     if kernel.amortises_rows and KernelLinear.supports(head):  # the head's rows as independent as the rest
         model.set_output_embeddings(KernelLinear.adopt(head))
-    if kernel.amortises_rows:  # our numerics: torch's bf16 SDPA is the slow part of a CPU decode step
-        attention_in_float32(model)
+    if kernel.amortises_rows:
+        fuse_projections(model)  # exact on this kernel: columns are computed independently
+        attention_in_float32(model)  # our numerics: torch's bf16 SDPA is the slow part of a CPU decode step
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()

@@ -87,18 +87,23 @@ def test_sdpa_forward_on_a_marked_layer_is_float32_sdpa_of_the_cast_inputs():
     model = make_tiny("gemma3", seed=4).to(torch.bfloat16)
     layer = model.model.layers[0].self_attn
     gen = torch.Generator().manual_seed(0)
-    query = torch.randn(1, 4, 3, 16, generator=gen).to(torch.bfloat16)
+    queries = torch.randn(1, 4, 3, 16, generator=gen).to(torch.bfloat16)
     key, value = (torch.randn(1, 2, 9, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
     mask = torch.zeros(1, 1, 3, 9, dtype=torch.bfloat16)
     mask[..., :2] = torch.finfo(torch.bfloat16).min  # a float mask in the model's dtype is cast too
     kw = dict(scaling=layer.scaling, is_causal=False)
-    stock, _ = attention.sdpa_forward(layer, query, key, value, mask, **kw)
-    assert torch.equal(stock, sdpa_attention_forward(layer, query, key, value, mask, **kw)[0])  # not marked
+    one, one_mask = queries[:, :, :1], mask[:, :, :1]
+    stock, _ = attention.sdpa_forward(layer, one, key, value, one_mask, **kw)
+    assert torch.equal(stock, sdpa_attention_forward(layer, one, key, value, one_mask, **kw)[0])  # not marked
     assert attention.attention_in_float32(model)
-    out, _ = attention.sdpa_forward(layer, query, key, value, mask, **kw)
-    expected, _ = sdpa_attention_forward(layer, query.float(), key.float(), value.float(), mask.float(), **kw)
+    out, _ = attention.sdpa_forward(layer, one, key, value, one_mask, **kw)
+    expected, _ = sdpa_attention_forward(layer, one.float(), key.float(), value.float(), one_mask.float(), **kw)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected.to(torch.bfloat16))
     assert not torch.equal(out, stock)  # bf16 SDPA rounds differently: the test can tell the two apart
+    # Several query rows too: a prompt's numerics must not depend on its chunking.
+    rows, _ = attention.sdpa_forward(layer, queries, key, value, mask, **kw)
+    expected, _ = sdpa_attention_forward(layer, queries.float(), key.float(), value.float(), mask.float(), **kw)
+    assert torch.equal(rows, expected.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -107,18 +112,24 @@ def test_float32_attention_runs_every_layer_in_float32_and_changes_the_namespace
 
     model = make_tiny(family, seed=5, num_layers=3).to(torch.bfloat16)
     ids = random_ids(SLIDING_WINDOW + 5, 6)
-    with torch.no_grad():
-        ref = model(ids).logits.float()
+
+    def decode_logits():
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+            return model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits.float()
+
+    ref = decode_logits()
     before = namespace(model)
     seen = []
     real = attention.sdpa_attention_forward
     monkeypatch.setattr(attention, "sdpa_attention_forward",
-                        lambda module, q, *a, **k: seen.append(q.dtype) or real(module, q, *a, **k))
+                        lambda module, q, *a, **k: seen.append((q.shape[-2], q.dtype)) or real(module, q, *a, **k))
     assert attention.attention_in_float32(model) and attention.attention_in_float32(model)  # idempotent
     assert model.config._attn_implementation == attention.ATTENTION_NAME
-    with torch.no_grad():
-        out = model(ids).logits.float()
-    assert seen == [torch.float32] * model.config.num_hidden_layers
+    out = decode_logits()
+    layers = model.config.num_hidden_layers
+    assert seen == [(ids.shape[1] - 1, torch.float32)] * layers + [(1, torch.float32)] * layers
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # the same model, other rounding
     assert namespace(model) != before  # stored K/V of the two never mix
 

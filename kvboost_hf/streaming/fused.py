@@ -1,0 +1,113 @@
+"""Fused projections: the int4 linears a decoder layer calls one after another on the same input
+(``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) computed by one kernel call.
+
+On a CPU decode step most of a small projection's cost is the call, not the weight: a 256 x 640
+``k_proj`` takes ~21 us, of which ~5 us is reading its weight (Gemma-3-270M, this project's
+2-core host). The first member of a :class:`ProjectionGroup` to run computes every member's output
+over the group's concatenated weight and leaves the others' outputs for them; a member called
+with another input (or the same tensor modified in place) computes its own, so a model that does
+not call its projections on one input stays correct, only slower.
+
+Exact: on kernels whose output columns are computed independently (``Int4Kernel.amortises_rows``,
+kvboost_hf's own), a column's bits do not depend on which other columns share the call. Members'
+buffers become views of the group's tensors, so the weights are held once and their content (and
+so the model's namespace) is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch import nn
+
+from kvboost_hf.kernels.layout import BLOCK
+from kvboost_hf.streaming.linear import AWQInt4Linear
+
+logger = logging.getLogger(__name__)
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # called in this order on one input
+
+
+class ProjectionGroup:
+    """Linears sharing an input and a kernel; ``members[0]``'s call computes them all."""
+
+    def __init__(self, members: list[AWQInt4Linear]) -> None:
+        self.members = members
+        self.kernel = members[0].kernel
+        self.group_size = members[0].group_size
+        self.sizes = [m.out_features for m in members]
+        self.packed = _joined([m.int4_weight for m in members], dim=0)
+        self.side = _joined([m.int4_scales_zeros for m in members], dim=1)
+        start = 0
+        for member in members:  # one copy of the weights: the members' buffers view the group's
+            blocks = member.out_features // BLOCK
+            member.set_weight(self.packed[start : start + blocks], self.side[:, start : start + blocks])
+            member.group = self
+            start += blocks
+        self._pending = threading.local()
+
+    def output(self, member: AWQInt4Linear, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """``member``'s output for its input ``x`` (as rows, ``x2``): taken from the group's call on this
+        very tensor if one left it, else (the first member) computed with the others', else alone."""
+        pending = getattr(self._pending, "outputs", None)
+        if pending is not None and pending[0] is x and pending[1] == x._version and member in pending[2]:
+            out = pending[2].pop(member)
+            if not pending[2]:
+                self._pending.outputs = None
+            return out
+        if member is not self.members[0]:
+            return self.kernel.matmul(x2, member.int4_weight, member.int4_scales_zeros, self.group_size,
+                                      member.out_features)
+        joined = self.kernel.matmul(x2, self.packed, self.side, self.group_size, sum(self.sizes))
+        outs = [part.contiguous() for part in joined.split(self.sizes, dim=-1)]
+        self._pending.outputs = (x, x._version, dict(zip(self.members[1:], outs[1:])))
+        return outs[0]
+
+
+def fuse_projections(root: nn.Module) -> int:
+    """Group the resident int4 projections under ``root`` that :data:`GROUPS` names (same parent, same
+    kernel with independent columns, same group size and input size, out_features multiples of 16);
+    returns how many groups were formed. Idempotent."""
+    formed = 0
+    for parent in root.modules():
+        for names in GROUPS:
+            members = [getattr(parent, name, None) for name in names]
+            if _fusable(members):
+                ProjectionGroup(members)
+                formed += 1
+    if formed:
+        logger.info("fused %d groups of int4 projections under %s", formed, type(root).__name__)
+    return formed
+
+
+def _fusable(members: list) -> bool:
+    if not all(isinstance(m, AWQInt4Linear) for m in members):
+        return False
+    first = members[0]
+    return (all(m.group is None and not m.streamed and m.int4_weight is not None for m in members)
+            and first.kernel.amortises_rows
+            and all(m.kernel is first.kernel or type(m.kernel) is type(first.kernel) for m in members)
+            and len({(m.in_features, m.group_size, m.int4_weight.device) for m in members}) == 1
+            and all(m.out_features % BLOCK == 0 for m in members))
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, as a view without a copy when ``parts`` already lie back to back along
+    ``dim`` in one storage (a draft's projections viewing its target's fused weights)."""
+    span = _span(parts, dim)
+    return span if span is not None else torch.cat(parts, dim=dim)
+
+
+def _span(parts: list[torch.Tensor], dim: int) -> torch.Tensor | None:
+    first = parts[0]
+    storage = first.untyped_storage()
+    offset = first.storage_offset()
+    for a, b in zip(parts, parts[1:]):
+        if (b.untyped_storage().data_ptr() != storage.data_ptr() or b.stride() != a.stride()
+                or b.storage_offset() != a.storage_offset() + a.shape[dim] * a.stride(dim)):
+            return None
+    size = list(first.shape)
+    size[dim] = sum(p.shape[dim] for p in parts)
+    return first.new_empty(0).set_(storage, offset, size, first.stride())
