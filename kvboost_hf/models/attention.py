@@ -83,9 +83,10 @@ def kvboost_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def sdpa_forward(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA forward; for a layer marked by :func:`attention_in_float32`, with reduced-precision
-    ``query``/``key``/``value`` (and a float mask) cast to float32 and the output cast back."""
-    if query.dtype == torch.float32 or not getattr(module, FLOAT32_ATTR, False):
+    """transformers' SDPA forward; for a CPU call on a layer marked by :func:`attention_in_float32`, with
+    reduced-precision ``query``/``key``/``value`` (and a float mask) cast to float32 and the output cast
+    back (a marked model moved to a GPU keeps its fast kernels there)."""
+    if query.dtype == torch.float32 or query.device.type != "cpu" or not getattr(module, FLOAT32_ATTR, False):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
@@ -97,9 +98,10 @@ def attention_in_float32(model: nn.Module) -> bool:
     """Make ``model``'s attention layers compute SDPA in float32 (switching it to ``kvboost_sdpa``); returns
     whether they do. For models whose numerics kvboost_hf owns only: it changes a bf16 model's outputs in
     the last bits, and stock models promise identity with plain ``generate``. Eager, flash and other
-    implementations, and models without ``*Attention`` modules, are left alone (False)."""
+    implementations, and models without ``*Attention`` modules, are left alone (False). Call it before the
+    model serves: a forward running meanwhile may see some layers marked and others not."""
     if getattr(model, FLOAT32_ATTR, False):
-        return True
+        return use_kvboost_sdpa(model)  # False if its attention was switched to another implementation since
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if not layers or not use_kvboost_sdpa(model):
         return False
@@ -154,9 +156,9 @@ def use_kvboost_sdpa(model: nn.Module) -> bool:
 
     Idempotent and thread-safe, and meant to stay: outside a routed or scattered forward on the
     calling thread ``kvboost_sdpa`` computes exactly what SDPA computes (in float32 on layers marked by
-    :func:`attention_in_float32`), so forwards on other
-    threads are unaffected and nothing switches back per request. The store namespace does not
-    change (:mod:`kvboost_hf.store.keys` files ``kvboost_sdpa`` as ``sdpa``)."""
+    :func:`attention_in_float32`), so forwards on other threads are unaffected and nothing switches
+    back per request. The store namespace does not change (the fingerprint files ``kvboost_sdpa`` as
+    ``sdpa``), unless :func:`attention_in_float32` marked the model (``sdpa-float32``)."""
     config = model.config
     if config._attn_implementation == ATTENTION_NAME:
         return True

@@ -132,8 +132,8 @@ def _sampled_values(tensors: list[torch.Tensor]) -> bytes:
         count = min(_SAMPLES_PER_TENSOR, (n + step - 1) // step)
         if tensor.is_contiguous():
             sample = tensor.detach().as_strided((count,), (step,), tensor.storage_offset())
-        else:
-            sample = tensor.detach().reshape(-1)[::step][:count]
+        else:  # the same elements, without copying the tensor (fused projections' per-group views)
+            sample = torch.take(tensor.detach(), torch.arange(count, device=tensor.device) * step)
         groups.setdefault((tensor.device, tensor.dtype), []).append(sample)
     # One copy to the CPU per device and dtype, not one per tensor (each would synchronise a GPU).
     return b"".join(torch.cat(parts).cpu().view(torch.uint8).numpy().tobytes() for parts in groups.values())

@@ -164,6 +164,8 @@ def _clone(module: nn.Module, configs: dict) -> nn.Module:
     state["_parameters"] = dict(module._parameters)
     state["_buffers"] = dict(module._buffers)
     state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    if isinstance(module, AWQInt4Linear):
+        state["group"] = None  # a fused group computes with the original's members; the clone may fuse anew
     state["_modules"] = {name: None if child is None else _clone(child, configs)
                          for name, child in module._modules.items()}
     for key, value in state.items():

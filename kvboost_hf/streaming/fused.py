@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from kvboost_hf.streaming.linear import AWQInt4Linear
 logger = logging.getLogger(__name__)
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # called in this order on one input
+MAX_MISSES = 3  # first-member calls in a row that find the others' outputs unclaimed before a group dissolves
 
 
 class ProjectionGroup:
@@ -44,26 +46,73 @@ class ProjectionGroup:
         for member in members:  # one copy of the weights: the members' buffers view the group's
             blocks = member.out_features // BLOCK
             member.set_weight(self.packed[start : start + blocks], self.side[:, start : start + blocks])
-            member.group = self
             start += blocks
+        self._views = [(m.int4_weight, m.int4_scales_zeros) for m in members]
         self._pending = threading.local()
+        self._misses = 0
+        for member in members:
+            member.group = self
 
     def output(self, member: AWQInt4Linear, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """``member``'s output for its input ``x`` (as rows, ``x2``): taken from the group's call on this
         very tensor if one left it, else (the first member) computed with the others', else alone."""
+        if torch.compiler.is_compiling():  # a traced graph holds no state between calls
+            return self._alone(member, x2)
         pending = getattr(self._pending, "outputs", None)
-        if pending is not None and pending[0] is x and pending[1] == x._version and member in pending[2]:
+        if pending is not None and pending[0]() is x and pending[1] == _version(x) and member in pending[2]:
             out = pending[2].pop(member)
             if not pending[2]:
                 self._pending.outputs = None
             return out
         if member is not self.members[0]:
-            return self.kernel.matmul(x2, member.int4_weight, member.int4_scales_zeros, self.group_size,
-                                      member.out_features)
+            return self._alone(member, x2)
+        if not self._intact() or self._missed(pending):
+            self.dissolve()
+            return self._alone(member, x2)
         joined = self.kernel.matmul(x2, self.packed, self.side, self.group_size, sum(self.sizes))
         outs = [part.contiguous() for part in joined.split(self.sizes, dim=-1)]
-        self._pending.outputs = (x, x._version, dict(zip(self.members[1:], outs[1:])))
+        # A weak reference: an input nobody else holds any more cannot come back, and is not kept alive.
+        self._pending.outputs = (weakref.ref(x), _version(x), dict(zip(self.members[1:], outs[1:])))
         return outs[0]
+
+    def dissolve(self) -> None:
+        """Every member computes alone from now on (its buffers stay what they are)."""
+        for member in self.members:
+            if member.group is self:
+                member.group = None
+        self._pending = threading.local()
+
+    def _alone(self, member: AWQInt4Linear, x2: torch.Tensor) -> torch.Tensor:
+        return self.kernel.matmul(x2, member.int4_weight, member.int4_scales_zeros, self.group_size,
+                                  member.out_features)
+
+    def _intact(self) -> bool:
+        """Whether every member still holds the views this group installed (a buffer assigned anew, by
+        ``load_state_dict(assign=True)`` for instance, would otherwise be computed from the old weights)."""
+        return all(m._buffers.get("int4_weight") is w and m._buffers.get("int4_scales_zeros") is s
+                   for m, (w, s) in zip(self.members, self._views))
+
+    def _missed(self, pending) -> bool:
+        """Count calls that find the previous call's outputs unclaimed (a model that does not call its
+        projections on one input: cross-attention, shared K/V); True after :data:`MAX_MISSES` in a row."""
+        self._misses = self._misses + 1 if pending is not None and pending[2] else 0
+        if self._misses >= MAX_MISSES:
+            logger.info("unfused %s: its members are not called on one input", type(self.members[0]).__name__)
+            return True
+        return False
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_pending"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pending = threading.local()
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """``x``'s version counter; inference tensors have none (an in-place write to one between two
+    members' calls goes unseen: transformers' layers do not write to a projection's input)."""
+    return None if x.is_inference() else x._version
 
 
 def fuse_projections(root: nn.Module) -> int:

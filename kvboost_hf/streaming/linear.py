@@ -40,7 +40,10 @@ class AWQInt4Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def set_weight(self, packed: torch.Tensor | None, scales_zeros: torch.Tensor) -> None:
-        """Install converted tensors: ``packed=None`` marks the module as streamed."""
+        """Install converted tensors: ``packed=None`` marks the module as streamed (a fused group this
+        module belongs to is dissolved: it would compute from the tensors it joined)."""
+        if self.group is not None:
+            self.group.dissolve()
         self.streamed = packed is None
         if packed is not None:
             self.register_buffer("int4_weight", packed)

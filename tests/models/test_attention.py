@@ -139,3 +139,16 @@ def test_float32_attention_leaves_eager_models_alone():
     model.set_attn_implementation("eager")
     assert not attention.attention_in_float32(model)
     assert not any(getattr(m, attention.FLOAT32_ATTR, False) for m in model.modules())
+
+
+def test_every_sdpa_call_of_the_package_goes_through_sdpa_forward():
+    """Forwards that must agree bit for bit (a decode step, a row-exact verification row, a packed batch
+    row) agree only if they reach SDPA the same way: through ``attention.sdpa_forward``."""
+    from pathlib import Path
+
+    import kvboost_hf
+
+    root = Path(kvboost_hf.__file__).parent
+    users = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                   if "sdpa_attention_forward" in p.read_text())
+    assert users == ["models/attention.py"]

@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
 from kvboost_hf.models import attention
-from kvboost_hf.speculative import exact_rows
 from kvboost_hf.speculative.exact_rows import needs_exact_rows, route_rows, verifying
 from kvboost_hf.streaming import StreamingAWQConfig
 from kvboost_hf.streaming.pack import pack_model
@@ -17,11 +16,11 @@ from tests.conftest import SLIDING_WINDOW, make_tiny, random_ids
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _int4_target(family: str, path, layers: int = 4):
+def _int4_target(family: str, path, layers: int = 4, dtype: torch.dtype = torch.float32):
     model = make_tiny(family, seed=3, num_layers=layers)
     pack_model(model, path, group_size=32)
     config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=1, keep_last_k=1)
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=dtype).eval()
 
 
 def _decode_hidden(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
@@ -44,8 +43,9 @@ def _verify_hidden(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("prefix", [5, SLIDING_WINDOW + 3])  # inside and beyond the sliding window
-def test_verified_rows_equal_decode_steps(family, prefix, tmp_path, monkeypatch):
-    target = _int4_target(family, tmp_path / "ckpt")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: float32 attention on our kernels
+def test_verified_rows_equal_decode_steps(family, prefix, dtype, tmp_path, monkeypatch):
+    target = _int4_target(family, tmp_path / "ckpt", dtype=dtype)
     assert needs_exact_rows(target)
     ids = random_ids(prefix + 7, 4)
     calls = []

@@ -9,7 +9,6 @@ import torch
 
 from kvboost_hf import kernels
 from kvboost_hf.models.attention import FLOAT32_ATTR
-from kvboost_hf.models.namespace import namespace
 from kvboost_hf.streaming import kernel as kernel_module
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from tests.streaming.conftest import load_awq
@@ -57,7 +56,8 @@ def test_only_the_kvboost_kernel_computes_attention_in_float32(tiny_awq, kernels
     marked = {kernel: [getattr(m, FLOAT32_ATTR, False) for m in model.modules() if type(m).__name__.endswith("Attention")]
               for kernel, model in models.items()}
     assert marked["kvboost"] and all(marked["kvboost"]) and not any(marked["torch"])
-    assert namespace(models["kvboost"]) != namespace(models["torch"])
+    assert models["kvboost"].config._attn_implementation == "kvboost_sdpa"  # still, after from_pretrained
+    assert models["torch"].config._attn_implementation == "sdpa"
 
 
 def test_kvboost_kernel_tracks_torch_kernel(tiny_awq, kernels_built):

@@ -87,7 +87,23 @@ def test_torch_kernel_and_streamed_layers_are_not_fused(tiny_awq, mmap_dir, kern
     assert fused_layers == {0, model.config.num_hidden_layers - 1}
 
 
-def test_a_draft_of_a_fused_target_views_its_weights(tiny_awq, kernels_built):
+def test_a_decode_step_makes_one_call_per_group(tiny_awq, kernels_built, monkeypatch):
+    _, path = tiny_awq["gemma3"]
+    model = load_awq(path, residency_mode="full_resident", kernel="kvboost")
+    kernel = _groups(model)[0].kernel
+    calls = []
+    real = type(kernel).matmul
+    monkeypatch.setattr(type(kernel), "matmul", lambda self, *a: calls.append(a[-1]) or real(self, *a))
+    _logits(model, torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1)), 1)
+    per_layer = len(calls) // model.config.num_hidden_layers
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    qkv = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+    # prefill and decode step: q/k/v, o, gate/up and down each once per layer and forward
+    assert per_layer == 8 and calls[:4] == [qkv, attn.o_proj.out_features, 2 * mlp.up_proj.out_features,
+                                            mlp.down_proj.out_features]
+
+
+def test_a_draft_of_a_fused_target_views_its_weights_and_fuses_exactly(tiny_awq, kernels_built):
     _, path = tiny_awq["gemma3"]
     target = load_awq(path, residency_mode="full_resident", kernel="kvboost")
     draft = make_draft(target, bits=4)
@@ -95,6 +111,55 @@ def test_a_draft_of_a_fused_target_views_its_weights(tiny_awq, kernels_built):
     assert len(_groups(draft)) == len(_groups(target))
     for theirs, ours in pairs:
         assert ours.packed.data_ptr() == theirs.packed.data_ptr() and ours.side.data_ptr() == theirs.side.data_ptr()
+        assert not set(ours.members) & set(theirs.members)
     ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(2))
-    ref = target.generate(ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft), ref)
+    fused = {rows: _logits(draft, ids, rows) for rows in (1, 5)}
+    _unfused(draft)
+    for rows, logits in fused.items():  # wrong offsets into the target's tensors would show here
+        assert torch.equal(_logits(draft, ids, rows), logits), rows
+
+
+def test_inference_mode_and_copies(tiny_awq, kernels_built):
+    import copy
+    import pickle
+
+    _, path = tiny_awq["llama"]
+    model = load_awq(path, residency_mode="full_resident", kernel="kvboost")
+    ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(4))
+    expected = _logits(model, ids, 1)
+    with torch.inference_mode():  # inference tensors have no version counter
+        assert torch.equal(_logits(model, ids, 1), expected)
+    draft = make_draft(model, bits=4)
+    assert _groups(draft)
+    for clone in (copy.deepcopy(draft), pickle.loads(pickle.dumps(draft))):
+        assert _groups(clone) and torch.equal(_logits(clone, ids, 1), _logits(draft, ids, 1))
+
+
+def test_replaced_weights_dissolve_the_group(tiny_awq, kernels_built):
+    _, path = tiny_awq["llama"]
+    model = load_awq(path, residency_mode="full_resident", kernel="kvboost")
+    other = load_awq(path, residency_mode="full_resident", kernel="kvboost")
+    ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(5))
+    mlp = other.model.layers[1].mlp
+    with torch.no_grad():
+        mlp.up_proj.int4_weight.copy_(mlp.up_proj.int4_weight.flip(0))  # a different weight, shared storage
+    changed = _logits(other, ids, 1)
+    assert not torch.equal(changed, _logits(model, ids, 1))
+    target = model.model.layers[1].mlp.up_proj
+    target.int4_weight = mlp.up_proj.int4_weight.clone()  # assigned anew, not copied into the view
+    assert torch.equal(_logits(model, ids, 1), changed) and target.group is None
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.set_weight(attn.k_proj.int4_weight.clone(), attn.k_proj.int4_scales_zeros.clone())
+    assert attn.q_proj.group is None and attn.v_proj.group is None
+
+
+def test_a_group_whose_members_take_other_inputs_dissolves(tiny_awq, kernels_built):
+    _, path = tiny_awq["llama"]
+    model = load_awq(path, residency_mode="full_resident", kernel="kvboost")
+    attn = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(4):  # cross-attention style: q on one tensor, k and v on another
+            x, y = (torch.randn(1, 2, attn.q_proj.in_features, generator=gen).to(torch.bfloat16) for _ in range(2))
+            attn.q_proj(x), attn.k_proj(y), attn.v_proj(y)
+    assert attn.q_proj.group is None and attn.k_proj.group is None
