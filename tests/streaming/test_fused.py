@@ -163,3 +163,19 @@ def test_a_group_whose_members_take_other_inputs_dissolves(tiny_awq, kernels_bui
             x, y = (torch.randn(1, 2, attn.q_proj.in_features, generator=gen).to(torch.bfloat16) for _ in range(2))
             attn.q_proj(x), attn.k_proj(y), attn.v_proj(y)
     assert attn.q_proj.group is None and attn.k_proj.group is None
+
+
+def test_a_traced_forward_computes_each_member_alone(tiny_awq, kernels_built):
+    _, path = tiny_awq["llama"]
+    model = load_awq(path, residency_mode="full_resident", kernel="kvboost")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def projections(h):
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+    with torch.no_grad():
+        eager = projections(x)
+        traced = torch.compile(projections, backend="eager", fullgraph=True)(x)  # no graph break on the group
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager))
+    assert attn.q_proj.group is not None  # tracing leaves the group alone
