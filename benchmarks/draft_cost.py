@@ -4,7 +4,7 @@ One process; the settings are interleaved per repetition; medians. The draft is 
 FR-Spec self-draft the speculative benchmark uses (``make_draft(bits=4, vocab=32768)``), run with
 a plain ``DynamicCache`` after a document prompt, so this is the forward alone (a request adds
 HF's generate loop). Settings: float32 or bf16 activations, with HF's RMSNorm modules or the
-fused ``DraftRMSNorm`` (``make_draft`` fuses them; "hf norms" puts the originals back).
+fused ``FusedRMSNorm`` (``make_draft`` fuses them; "hf norms" puts the originals back).
 Greedy draft tokens are compared with the float32 / HF-norm draft's.
 
     python benchmarks/draft_cost.py [--reps 5] [--tokens 30]
@@ -23,15 +23,15 @@ from transformers import DynamicCache
 
 from kvboost_hf import make_draft
 from kvboost_hf.models import load_default_model
-from kvboost_hf.speculative.draft_norm import DraftRMSNorm
+from kvboost_hf.models.fused_norm import FusedRMSNorm
 from kvboost_hf.speculative.self_draft import clone_structure
 
 
 def with_hf_norms(draft, model):
-    """``draft`` with the target's RMSNorm module objects put back in place of every DraftRMSNorm."""
+    """``draft`` with the target's RMSNorm module objects put back in place of every FusedRMSNorm."""
     originals = dict(clone_structure(model).named_modules())
     for name, module in list(draft.named_modules()):
-        if isinstance(module, DraftRMSNorm):
+        if isinstance(module, FusedRMSNorm):
             parent, _, child = name.rpartition(".")
             setattr(draft.get_submodule(parent) if parent else draft, child, originals[name])
     return draft

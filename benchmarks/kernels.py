@@ -9,8 +9,8 @@ the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. Per process, interleaved, 
   [N, K] layout that an int4 model's tied head runs on) against torch bf16/fp32;
 - the whole model packed by ``awq-pack`` (round-to-nearest, group 128, resident): decode step after a
   200-token prompt, a 9-row forward there (verification), a 256-token prefill, for kernel="kvboost"
-  (also with its projections unfused and its one-row attention left in bf16, the same model object
-  switched per sample) and kernel="torch", against the bf16 float model; and a token of the int4
+  (also "GEMMs only": its projections unfused, HF's RMSNorm modules and bf16 attention, the same
+  model object switched per sample) and kernel="torch", against the bf16 float model; and a token of the int4
   FR-Spec self-draft (``make_draft(bits=4, vocab=32768)``) of the kvboost model after the same
   prompt. Greedy continuations are compared.
 
@@ -20,6 +20,7 @@ the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. Per process, interleaved, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -135,7 +136,9 @@ def whole_model(reps: int) -> dict:
         m(long, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
         return time.perf_counter() - start
 
-    settings = {"kvboost": (models["kvboost"], True), "kvboost unfused, bf16 attention": (models["kvboost"], False),
+    hf_norms = dict(models["bf16 float"].named_modules())  # the same checkpoint's RMSNorm modules, bf16
+    switch = functools.partial(switch_extras, norms=hf_norms)
+    settings = {"kvboost": (models["kvboost"], True), "kvboost GEMMs only": (models["kvboost"], False),
                 "torch": (models["torch"], True), "bf16 float": (models["bf16 float"], True)}
     samples = {name: {"step": [], "verify9": [], "prefill256": []} for name in settings}
     samples["int4 self-draft"] = {"step": []}
@@ -153,16 +156,23 @@ def whole_model(reps: int) -> dict:
             "greedy_same_as_torch_int4": {name: t == text["torch"] for name, t in text.items()}}
 
 
-def switch(model, on: bool) -> None:
-    """Fused projections and one-row float32 attention (kvboost kernel models) on or off, in place."""
+def switch_extras(model, on: bool, norms: dict) -> None:
+    """A kvboost-kernel model's fused projections, fused RMSNorms and float32 attention on, or off (its
+    GEMMs only: separate projection calls, HF's RMSNorm modules from ``norms``, bf16 attention), in place."""
     from kvboost_hf.models.attention import FLOAT32_ATTR
+    from kvboost_hf.models.fused_norm import FusedRMSNorm
     from kvboost_hf.streaming.linear import AWQInt4Linear
 
-    groups = model.__dict__.setdefault("_bench_groups", {})
+    saved = model.__dict__.setdefault("_bench_saved", {"groups": {}, "norms": {}})
+    if not saved["norms"]:
+        saved["norms"] = {name: (m, norms[name]) for name, m in model.named_modules() if isinstance(m, FusedRMSNorm)}
+    for name, (fused, original) in saved["norms"].items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, fused if on else original)
     for module in model.modules():
         if isinstance(module, AWQInt4Linear):
-            groups.setdefault(module, module.group)
-            module.group = groups[module] if on else None
+            saved["groups"].setdefault(module, module.group)
+            module.group = saved["groups"][module] if on else None
         if getattr(module, FLOAT32_ATTR, None) is not None and module is not model:
             setattr(module, FLOAT32_ATTR, on)
 

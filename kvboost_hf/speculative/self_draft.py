@@ -2,7 +2,7 @@
 
 The draft is a structural clone of the target (same class, own module objects, shared
 embedding) whose decoder linears are weight-only int4 or int8 and whose RMSNorms are fused
-(:mod:`.draft_norm`), computing in bf16 where the CPU does so natively, optionally
+(:mod:`kvboost_hf.models.fused_norm`), computing in bf16 where the CPU does so natively, optionally
 keeping only the first ``layers`` decoder layers, with an LM head optionally restricted to the
 ``vocab`` most frequent tokens (FR-Spec). A restricted head still returns full-vocabulary
 logits, ``-inf`` outside its set, so HF's speculative sampling stays exact.
@@ -25,7 +25,7 @@ from torch import nn
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
 from kvboost_hf.models.attention import attention_in_float32
 from kvboost_hf.reuse import STATE_ATTR
-from kvboost_hf.speculative.draft_norm import fuse_norms
+from kvboost_hf.models.fused_norm import fuse_norms
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
 from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking

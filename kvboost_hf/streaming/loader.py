@@ -20,6 +20,7 @@ from torch import nn
 
 from kvboost_hf.kernels import KernelLinear
 from kvboost_hf.models.attention import attention_in_float32
+from kvboost_hf.models.fused_norm import fuse_norms
 from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
 from kvboost_hf.streaming.config import StreamingAWQConfig
 from kvboost_hf.streaming.fused import fuse_projections
@@ -230,9 +231,10 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     head = model.get_output_embeddings()
     if kernel.amortises_rows and KernelLinear.supports(head):  # the head's rows as independent as the rest
         model.set_output_embeddings(KernelLinear.adopt(head))
-    if kernel.amortises_rows:
+    if kernel.amortises_rows:  # this model's numerics are ours: fewer, cheaper calls per decode step
         fuse_projections(model)  # exact on this kernel: columns are computed independently
-        attention_in_float32(model)  # our numerics: torch's bf16 SDPA is the slow part of a CPU decode step
+        fuse_norms(model, model.dtype)  # one torch.rms_norm call for HF's 6-8 small ops
+        attention_in_float32(model)  # torch's bf16 SDPA is slow for a decode row on CPU
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
 from kvboost_hf.models.attention import FLOAT32_ATTR
 from kvboost_hf.models.namespace import namespace
-from kvboost_hf.speculative.draft_norm import DraftRMSNorm
+from kvboost_hf.models.fused_norm import FusedRMSNorm
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int8Linear, quantized_linear
 from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
@@ -38,7 +38,7 @@ def test_target_is_untouched_and_tensors_are_shared(reuse):
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert draft.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert isinstance(draft.model.norm, DraftRMSNorm)  # its own fused module: a scale of a few KB
+    assert isinstance(draft.model.norm, FusedRMSNorm)  # its own fused module: a scale of a few KB
     linears = [m for m in draft.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     assert not linears and any(isinstance(m, AWQInt4Linear) for m in draft.modules())
     assert isinstance(draft.lm_head, DraftHead)

@@ -1,14 +1,17 @@
-"""``DraftRMSNorm``: one fused ``torch.rms_norm`` call in place of a model's RMSNorm module, for drafts.
+"""``FusedRMSNorm``: one fused ``torch.rms_norm`` call in place of a model's RMSNorm module, for models
+whose numerics kvboost_hf owns (self-drafts, int4 models on kvboost_hf's kernels).
 
-A draft token is a forward of a small model with one row, where per-op dispatch, not arithmetic,
-is most of the time. HF's RMSNorm modules take 6-8 small ops each (Gemma-3-270M runs 109 of
+A decode step of a small model has one row, where per-op dispatch, not arithmetic, is most of the
+time. HF's RMSNorm modules take 6-8 small ops each (Gemma-3-270M runs 109 of
 them per token: ~20 us each on this project's CPUs, against ~8 us for one ``torch.rms_norm``).
 
 The replacement is derived from the module's behaviour, not from its class: its per-channel scale is
 read off its output for a constant input (Gemma's ``1 + w``, Llama's ``w``), and the swap is kept only
 if it matches the module on random inputs to within bf16 rounding. It rounds differently in the last
-bits (Llama multiplies after casting to the input dtype, this multiplies before), which a draft may
-and a target must not: targets keep their own modules.
+bits (Llama multiplies after casting to the input dtype, this multiplies before), which a draft or an
+int4 model on our kernels may, and a stock model must not (its promise is identity with plain HF
+``generate``): stock models keep their own modules. It is computed row by row, so rows stay
+independent (a verification forward's rows equal decoding them).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ logger = logging.getLogger(__name__)
 TOLERANCE = 2e-2  # relative to the element plus its row's RMS: bf16 has 8 significant bits
 
 
-class DraftRMSNorm(nn.Module):
+class FusedRMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * scale`` over the last dimension, computed in float32."""
 
     def __init__(self, scale: torch.Tensor, eps: float) -> None:
@@ -40,8 +43,8 @@ class DraftRMSNorm(nn.Module):
 
 
 @torch.no_grad()
-def fused_equivalent(module: nn.Module, dtype: torch.dtype) -> DraftRMSNorm | None:
-    """A :class:`DraftRMSNorm` that behaves like ``module`` on ``dtype`` inputs, or None."""
+def fused_equivalent(module: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | None:
+    """A :class:`FusedRMSNorm` that behaves like ``module`` on ``dtype`` inputs, or None."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
     if not type(module).__name__.endswith("RMSNorm") or weight is None or weight.dim() != 1 or eps is None:
@@ -49,7 +52,7 @@ def fused_equivalent(module: nn.Module, dtype: torch.dtype) -> DraftRMSNorm | No
     dim = weight.shape[0]
     ones = torch.ones(1, dim, dtype=torch.float32, device=weight.device)
     scale = module(ones).float()[0] * torch.sqrt(torch.tensor(1.0 + float(eps)))
-    fused = DraftRMSNorm(scale, float(eps))
+    fused = FusedRMSNorm(scale, float(eps))
     x = probe_inputs(dim).to(device=weight.device, dtype=dtype)
     expected, got = module(x).float(), fused(x).float()
     if got.shape != expected.shape:

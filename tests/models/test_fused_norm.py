@@ -1,4 +1,4 @@
-"""DraftRMSNorm: a draft's RMSNorm modules become one fused call, only where that reproduces them."""
+"""FusedRMSNorm: RMSNorm modules become one fused call, only where that reproduces them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvboost_hf import make_draft
-from kvboost_hf.speculative.draft_norm import DraftRMSNorm, fuse_norms, fused_equivalent
+from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms, fused_equivalent
 from tests.conftest import FAMILIES, make_tiny
 
 
@@ -21,7 +21,7 @@ def test_every_family_norm_is_reproduced(family, dtype):
         with torch.no_grad():
             norm.weight.normal_()  # not the all-ones / all-zeros initial weights: a wrong scale must show
         fused = fused_equivalent(norm.to(dtype), dtype)
-        assert isinstance(fused, DraftRMSNorm)
+        assert isinstance(fused, FusedRMSNorm)
         x = (torch.randn(2, 5, norm.weight.shape[0]) * 4).to(dtype)
         torch.testing.assert_close(fused(x).float(), norm(x).float(), rtol=2e-2, atol=2e-2)
         assert fused(x).dtype == dtype
@@ -63,6 +63,6 @@ def test_a_norm_it_cannot_reproduce_is_kept(norm, dtype):
 def test_drafts_use_it_and_the_target_keeps_its_own():
     model = make_tiny("gemma3")
     draft = make_draft(model, bits=8, activations=torch.float32)
-    assert isinstance(draft.model.norm, DraftRMSNorm)
-    assert isinstance(draft.model.layers[0].self_attn.q_norm, DraftRMSNorm)
-    assert not any(isinstance(m, DraftRMSNorm) for m in model.modules())
+    assert isinstance(draft.model.norm, FusedRMSNorm)
+    assert isinstance(draft.model.layers[0].self_attn.q_norm, FusedRMSNorm)
+    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
