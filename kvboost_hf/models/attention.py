@@ -86,12 +86,22 @@ def sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA forward; for a CPU call on a layer marked by :func:`attention_in_float32`, with
     reduced-precision ``query``/``key``/``value`` (and a float mask) cast to float32 and the output cast
     back (a marked model moved to a GPU keeps its fast kernels there)."""
-    if query.dtype == torch.float32 or query.device.type != "cpu" or not getattr(module, FLOAT32_ATTR, False):
+    query, key, value, dtype = float32_inputs(module, query, key, value)
+    if dtype is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(query.dtype), weights
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return out.to(dtype), weights
+
+
+def float32_inputs(module, query, key, value):
+    """``(query, key, value, dtype)``: cast to float32 with the dtype to cast the output back to, where
+    :func:`sdpa_forward` would cast them; else as given with ``None``. A caller making several calls over
+    slices of one key/value (row-exact verification) casts once; the bits are the same."""
+    if query.dtype == torch.float32 or query.device.type != "cpu" or not getattr(module, FLOAT32_ATTR, False):
+        return query, key, value, None
+    return query.float(), key.float(), value.float(), query.dtype
 
 
 def attention_in_float32(model: nn.Module) -> bool:

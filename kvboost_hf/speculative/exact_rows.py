@@ -57,6 +57,7 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     window = attention.layer_window(module, sliding_window)
     kwargs.pop("is_causal", None)
     total = key.shape[-2]
+    query, key, value, dtype = attention.float32_inputs(module, query, key, value)  # once, not per row
     outputs = []
     for i in range(rows):
         end = total - rows + i + 1
@@ -65,7 +66,8 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
                                         attention.decode_step_mask(window, end - start, query.device), scaling=scaling,
                                         is_causal=False, **kwargs)
         outputs.append(out)
-    return torch.cat(outputs, dim=1), None
+    out = torch.cat(outputs, dim=1)
+    return (out if dtype is None else out.to(dtype)), None
 
 
 def route_rows(rows: int | None) -> None:
