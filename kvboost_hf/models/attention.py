@@ -89,19 +89,23 @@ def sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     query, key, value, dtype = float32_inputs(module, query, key, value)
     if dtype is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = sdpa_attention_forward(module, query, key, value, float32_mask(attention_mask), **kwargs)
     return out.to(dtype), weights
 
 
 def float32_inputs(module, query, key, value):
     """``(query, key, value, dtype)``: cast to float32 with the dtype to cast the output back to, where
     :func:`sdpa_forward` would cast them; else as given with ``None``. A caller making several calls over
-    slices of one key/value (row-exact verification) casts once; the bits are the same."""
+    slices of one key/value (row-exact verification) casts once; the bits are the same if each call
+    gets its slice contiguous, as a cast slice would be. A float mask goes through :func:`float32_mask`."""
     if query.dtype == torch.float32 or query.device.type != "cpu" or not getattr(module, FLOAT32_ATTR, False):
         return query, key, value, None
     return query.float(), key.float(), value.float(), query.dtype
+
+
+def float32_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask for float32 inputs: a float mask cast, a boolean one (or None) as it is."""
+    return mask.float() if mask is not None and mask.is_floating_point() else mask
 
 
 def attention_in_float32(model: nn.Module) -> bool:

@@ -11,7 +11,8 @@ if it matches the module on random inputs to within bf16 rounding. It rounds dif
 bits (Llama multiplies after casting to the input dtype, this multiplies before), which a draft or an
 int4 model on our kernels may, and a stock model must not (its promise is identity with plain HF
 ``generate``): stock models keep their own modules. It is computed row by row, so rows stay
-independent (a verification forward's rows equal decoding them).
+independent (a verification forward's rows equal decoding them; torch's CPU reduction splits a
+single row across threads only from 32768 elements, wider than any model's hidden size).
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ class FusedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rms_norm(x.float(), self.shape, self.scale.float(), self.eps).to(x.dtype)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``model.to(dtype)`` moves the scale but keeps it float32 (Gemma's ``1 + w`` in bf16 would be
+        off by up to 2^-8 relative on every channel)."""
+        scale = self.scale
+        super()._apply(fn, recurse)
+        if self.scale.dtype != torch.float32:
+            self.scale = scale.to(device=self.scale.device)
+        return self
+
     def extra_repr(self) -> str:
         return f"{self.shape}, eps={self.eps}"
 
@@ -49,14 +59,17 @@ def fused_equivalent(module: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | No
     eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
     if not type(module).__name__.endswith("RMSNorm") or weight is None or weight.dim() != 1 or eps is None:
         return None
+    if weight.device.type == "meta":  # offloaded or not loaded: nothing to read the scale from
+        return None
     dim = weight.shape[0]
     ones = torch.ones(1, dim, dtype=torch.float32, device=weight.device)
     scale = module(ones).float()[0] * torch.sqrt(torch.tensor(1.0 + float(eps)))
     fused = FusedRMSNorm(scale, float(eps))
     x = probe_inputs(dim).to(device=weight.device, dtype=dtype)
-    expected, got = module(x).float(), fused(x).float()
-    if got.shape != expected.shape:
+    expected, got = module(x), fused(x)
+    if got.shape != expected.shape or got.dtype != expected.dtype:  # e.g. a float32 weight promoting its output
         return None
+    expected, got = expected.float(), got.float()
     row_rms = expected.pow(2).mean(-1, keepdim=True).sqrt()
     if not bool(((got - expected).abs() <= TOLERANCE * (expected.abs() + row_rms)).all()):
         logger.debug("kept %s: a fused rms_norm does not reproduce it", type(module).__name__)

@@ -57,12 +57,17 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     window = attention.layer_window(module, sliding_window)
     kwargs.pop("is_causal", None)
     total = key.shape[-2]
-    query, key, value, dtype = attention.float32_inputs(module, query, key, value)  # once, not per row
+    first = max(0, total - rows + 1 - window) if window is not None else 0  # the first key any row reads
+    # Cast once for all rows (not per row), and only the keys some row reads.
+    query, key, value, dtype = attention.float32_inputs(module, query, key[:, :, first:], value[:, :, first:])
     outputs = []
     for i in range(rows):
         end = total - rows + i + 1
         start = max(0, end - window) if window is not None else 0
-        out, _ = attention.sdpa_forward(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end],
+        # Contiguous, as a decode step's cast keys are (with several key heads a slice is strided).
+        keys = key[:, :, start - first : end - first].contiguous()
+        values = value[:, :, start - first : end - first].contiguous()
+        out, _ = attention.sdpa_forward(module, query[:, :, i : i + 1], keys, values,
                                         attention.decode_step_mask(window, end - start, query.device), scaling=scaling,
                                         is_causal=False, **kwargs)
         outputs.append(out)

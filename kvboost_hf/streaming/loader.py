@@ -233,12 +233,19 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         model.set_output_embeddings(KernelLinear.adopt(head))
     if kernel.amortises_rows:  # this model's numerics are ours: fewer, cheaper calls per decode step
         fuse_projections(model)  # exact on this kernel: columns are computed independently
-        fuse_norms(model, model.dtype)  # one torch.rms_norm call for HF's 6-8 small ops
+        fuse_norms(_text_stack(model), model.dtype)  # one torch.rms_norm call each for HF's 6-8 small ops
         attention_in_float32(model)  # torch's bf16 SDPA is slow for a decode row on CPU
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()
     return runtime
+
+
+def _text_stack(model: nn.Module) -> nn.Module:
+    """The decoder stack (its layers and final norm), not a vision tower's; the model if it names none."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, nn.Module) else model
 
 
 def _return_freed_memory() -> None:

@@ -66,3 +66,45 @@ def test_drafts_use_it_and_the_target_keeps_its_own():
     assert isinstance(draft.model.norm, FusedRMSNorm)
     assert isinstance(draft.model.layers[0].self_attn.q_norm, FusedRMSNorm)
     assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("width", [640, 4096])
+def test_a_row_is_the_same_whatever_rows_and_threads_compute_with_it(width):
+    norm = FusedRMSNorm(torch.rand(width) + 0.5, 1e-6)
+    x = (torch.randn(256, width, generator=torch.Generator().manual_seed(width)) * 3).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            full = norm(x)
+            for rows in (1, 9, 256):
+                assert torch.equal(norm(x[:rows]), full[:rows]), (n, rows)
+            assert torch.equal(norm(x[100:101]), full[100:101])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_scale_stays_float32_when_the_model_changes_dtype():
+    model = make_tiny("gemma3")
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0, 0.02)
+    fuse_norms(model, torch.float32)
+    scale = model.model.norm.scale.clone()
+    model.to(torch.bfloat16)
+    assert model.model.norm.scale.dtype == torch.float32 and torch.equal(model.model.norm.scale, scale)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_a_norm_whose_output_dtype_differs_is_kept():
+    class Float32Out(nn.Module):  # a norm whose float32 weight promotes a bf16 input to float32
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    Float32Out.__name__ = "PromotingRMSNorm"
+    assert fused_equivalent(Float32Out(), torch.bfloat16) is None
+    assert fused_equivalent(Float32Out(), torch.float32) is not None

@@ -181,3 +181,25 @@ def test_every_decoded_position_has_the_hidden_state_of_plain_decoding(tmp_path,
                 assert torch.equal(rows[position], plain[position]), (seed, position)
                 compared += 1
     assert compared > 200
+
+
+def test_verified_rows_equal_decode_steps_with_wide_heads_and_threads(tmp_path):
+    """Several key heads of 64 dims and two threads: each row's float32 keys reach SDPA in the layout a
+    decode step's have (contiguous), and the kernels split work across threads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512, pad_token_id=0)
+    pack_model(LlamaForCausalLM(config).eval(), tmp_path / "ckpt", group_size=64)
+    target = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt", quantization_config=StreamingAWQConfig(residency_mode="full_resident"),
+        dtype=torch.bfloat16).eval()
+    ids = random_ids(40, 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            assert torch.equal(_verify_hidden(target, ids, 31), _decode_hidden(target, ids, 31))
+    finally:
+        torch.set_num_threads(threads)
