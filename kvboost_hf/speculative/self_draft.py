@@ -24,8 +24,8 @@ from torch import nn
 
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
 from kvboost_hf.models.attention import attention_in_float32
-from kvboost_hf.reuse import STATE_ATTR
 from kvboost_hf.models.fused_norm import fuse_norms
+from kvboost_hf.reuse import STATE_ATTR
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
 from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking

@@ -53,11 +53,12 @@ class ProjectionGroup:
         for member in members:
             member.group = self
 
-    def output(self, member: AWQInt4Linear, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    def output(self, member: AWQInt4Linear, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for its input ``x`` (as rows, ``x2``): taken from the group's call on this
-        very tensor if one left it, else (the first member) computed with the others', else alone."""
+        very tensor if one left it, else (the first member) computed with the others'; None when the
+        member must compute alone."""
         if torch.compiler.is_compiling():  # a traced graph holds no state between calls
-            return self._alone(member, x2)
+            return None
         pending = getattr(self._pending, "outputs", None)
         if pending is not None and pending[0]() is x and pending[1] == _version(x) and member in pending[2]:
             out = pending[2].pop(member)
@@ -65,10 +66,10 @@ class ProjectionGroup:
                 self._pending.outputs = None
             return out
         if member is not self.members[0]:
-            return self._alone(member, x2)
+            return None
         if not self._intact() or self._missed(pending):
             self.dissolve()
-            return self._alone(member, x2)
+            return None
         joined = self.kernel.matmul(x2, self.packed, self.side, self.group_size, sum(self.sizes))
         outs = [part.contiguous() for part in joined.split(self.sizes, dim=-1)]
         # A weak reference: an input nobody else holds any more cannot come back, and is not kept alive.
@@ -81,10 +82,6 @@ class ProjectionGroup:
             if member.group is self:
                 member.group = None
         self._pending = threading.local()
-
-    def _alone(self, member: AWQInt4Linear, x2: torch.Tensor) -> torch.Tensor:
-        return self.kernel.matmul(x2, member.int4_weight, member.int4_scales_zeros, self.group_size,
-                                  member.out_features)
 
     def _intact(self) -> bool:
         """Whether every member still holds the views this group installed (a buffer assigned anew, by
@@ -137,7 +134,7 @@ def _fusable(members: list) -> bool:
     first = members[0]
     return (all(m.group is None and not m.streamed and m.int4_weight is not None for m in members)
             and first.kernel.amortises_rows
-            and all(m.kernel is first.kernel or type(m.kernel) is type(first.kernel) for m in members)
+            and all(type(m.kernel) is type(first.kernel) for m in members)
             and len({(m.in_features, m.group_size, m.int4_weight.device) for m in members}) == 1
             and all(m.out_features % BLOCK == 0 for m in members))
 

@@ -57,9 +57,8 @@ class AWQInt4Linear(nn.Module):
             )
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.group is not None:
-            out = self.group.output(self, x, x2)
-        else:
+        out = self.group.output(self, x, x2) if self.group is not None else None
+        if out is None:
             out = self.kernel.matmul(x2, packed, self.int4_scales_zeros, self.group_size, self.out_features)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
