@@ -98,6 +98,7 @@ def whole_model(reps: int) -> dict:
 
     from kvboost_hf import make_draft
     from kvboost_hf.models import cache_dir, load_default_model
+    from kvboost_hf.models.attention import FLOAT32_SDPA
     from kvboost_hf.streaming import StreamingAWQConfig
     from kvboost_hf.streaming.pack import pack_model
 
@@ -131,6 +132,16 @@ def whole_model(reps: int) -> dict:
         m(prompt[:, -9:], past_key_values=cache, use_cache=True)
         return time.perf_counter() - start
 
+    def verify_exact(m):  # as speculation verifies on an int4 target: rows routed to decode-exact attention
+        from kvboost_hf.speculative.exact_rows import route_rows, verifying
+
+        cache = prefilled(m)
+        with verifying(m):
+            route_rows(9)
+            start = time.perf_counter()
+            m(prompt[:, -9:], past_key_values=cache, use_cache=True)
+            return time.perf_counter() - start
+
     def prefill(m):
         start = time.perf_counter()
         m(long, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
@@ -140,15 +151,17 @@ def whole_model(reps: int) -> dict:
     # the same ops and shapes, for timing only; "GEMMs only" logits are not compared).
     hf_norms = dict(models["bf16 float"].named_modules())
     switch = functools.partial(switch_extras, norms=hf_norms)
-    settings = {"kvboost": (models["kvboost"], True), "kvboost GEMMs only": (models["kvboost"], False),
+    settings = {"kvboost": (models["kvboost"], True), "kvboost float32 SDPA": (models["kvboost"], FLOAT32_SDPA),
+                "kvboost GEMMs only": (models["kvboost"], False),
                 "torch": (models["torch"], True), "bf16 float": (models["bf16 float"], True)}
-    samples = {name: {"step": [], "verify9": [], "prefill256": []} for name in settings}
+    samples = {name: {"step": [], "verify9": [], "verify9_exact": [], "prefill256": []} for name in settings}
     samples["int4 self-draft"] = {"step": []}
     for _ in range(reps):
-        for name, (m, this_session) in settings.items():
-            switch(m, this_session)
+        for name, (m, mode) in settings.items():
+            switch(m, mode)
             samples[name]["step"].append(step(m) * 1e3)
             samples[name]["verify9"].append(verify(m) * 1e3)
+            samples[name]["verify9_exact"].append(verify_exact(m) * 1e3)
             samples[name]["prefill256"].append(prefill(m) * 1e3)
         switch(models["kvboost"], True)
         samples["int4 self-draft"]["step"].append(step(draft) * 1e3)
@@ -158,14 +171,15 @@ def whole_model(reps: int) -> dict:
             "greedy_same_as_torch_int4": {name: t == text["torch"] for name, t in text.items()}}
 
 
-def switch_extras(model, on: bool, norms: dict) -> None:
-    """A kvboost-kernel model's fused projections, fused RMSNorms and float32 attention on, or off (its
-    GEMMs only: separate projection calls, HF's RMSNorm modules from ``norms``, bf16 attention), in place."""
-    from kvboost_hf.models.attention import FLOAT32_ATTR
+def switch_extras(model, on, norms: dict) -> None:
+    """A kvboost-kernel model's fused projections, fused RMSNorms and attention kernel on (``on`` True, or
+    an ``OwnedAttention`` to compute attention with instead of the kernel), or off (its GEMMs only:
+    separate projection calls, HF's RMSNorm modules from ``norms``, bf16 SDPA), in place."""
+    from kvboost_hf.models.attention import OWNED_ATTR
     from kvboost_hf.models.fused_norm import FusedRMSNorm
     from kvboost_hf.streaming.linear import AWQInt4Linear
 
-    saved = model.__dict__.setdefault("_bench_saved", {"groups": {}, "norms": {}})
+    saved = model.__dict__.setdefault("_bench_saved", {"groups": {}, "norms": {}, "attention": {}})
     if not saved["norms"]:
         saved["norms"] = {name: (m, norms[name]) for name, m in model.named_modules() if isinstance(m, FusedRMSNorm)}
     for name, (fused, original) in saved["norms"].items():
@@ -175,8 +189,9 @@ def switch_extras(model, on: bool, norms: dict) -> None:
         if isinstance(module, AWQInt4Linear):
             saved["groups"].setdefault(module, module.group)
             module.group = saved["groups"][module] if on else None
-        if getattr(module, FLOAT32_ATTR, None) is not None and module is not model:
-            setattr(module, FLOAT32_ATTR, on)
+        if module is not model and (module in saved["attention"] or getattr(module, OWNED_ATTR, None) is not None):
+            saved["attention"].setdefault(module, getattr(module, OWNED_ATTR))
+            setattr(module, OWNED_ATTR, (saved["attention"][module] if on is True else on) if on else None)
 
 
 def worker(reps: int) -> dict:

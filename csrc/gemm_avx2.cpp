@@ -64,5 +64,6 @@ struct V16 {
 }  // namespace
 
 #include "gemm_body.inc"
+#include "attention_body.inc"
 
 }  // namespace kvb_avx2

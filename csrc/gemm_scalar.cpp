@@ -78,5 +78,6 @@ struct V16 {
 }  // namespace
 
 #include "gemm_body.inc"
+#include "attention_body.inc"
 
 }  // namespace kvb_scalar

@@ -23,6 +23,30 @@ struct Bf16 {  // the bits of one bfloat16 (tags a row-major bf16 weight for the
   uint16_t bits;
 };
 
+// One attention call (attention_body.inc): queries [batch, heads, rows, dim], keys and values
+// [batch, kv_heads, keys, dim] (heads a multiple of kv_heads), all float or all bf16 bits, the last
+// dimension contiguous (strides in elements for the others). Row i sits at position keys - rows + i:
+// with `causal` it reads keys up to that position, with window > 0 only the last `window` of them;
+// a mask (bool bytes, or float values added to the scores; strides, 0 to broadcast) removes more.
+// Output: float [batch, rows, heads, dim]. Work items t = (b * heads + h) * rows + i.
+struct KvbAttention {
+  const void* q;
+  const void* k;
+  const void* v;
+  bool bf16;
+  int64_t batch, heads, kv_heads, rows, keys, dim;
+  int64_t q_strides[3], k_strides[3], v_strides[3];
+  const uint8_t* bool_mask;
+  const float* float_mask;
+  int64_t m_strides[4];
+  float scale;
+  bool causal;
+  int64_t window;
+  float* out;
+};
+
+// A thread's scratch: 2 * (dim rounded up to 16) + 16 + keys floats.
+
 #define KVB_DECLARE_ISA(ns)                                                                          \
   namespace ns {                                                                                     \
   void int4_blocks(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales,      \
@@ -38,6 +62,7 @@ struct Bf16 {  // the bits of one bfloat16 (tags a row-major bf16 weight for the
                  float* out, int64_t ldo);                                                           \
   void f32_rows(const float* x, int64_t m, int64_t k, const float* w, int64_t n0, int64_t n1,        \
                 float* out, int64_t ldo);                                                            \
+  void attention_rows(const KvbAttention& a, int64_t t0, int64_t t1, float* scratch);                \
   }
 
 KVB_DECLARE_ISA(kvb_scalar)

@@ -197,6 +197,74 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
+// Attention of q [B, H, M, D] over k, v [B, Hkv, N, D] (see KvbAttention): [B, M, H, D] in q's dtype.
+// float16 is computed from float32 copies; threads split query rows (each row computed alone).
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const std::optional<at::Tensor>& mask, double scale, bool causal, int64_t window) {
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "kvboost attention runs on CPU tensors, got ", query.device());
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+              "query, key and value must be [batch, heads, rows, head_dim], got ", query.sizes(), ", ", key.sizes(),
+              ", ", value.sizes());
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "query, key and value must have one dtype, got ", query.scalar_type(), ", ", key.scalar_type(), ", ",
+              value.scalar_type());
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "attention inputs must be float32, bfloat16 or float16, got ", dtype);
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), keys = key.size(2);
+  TORCH_CHECK(key.size(0) == batch && value.sizes() == key.sizes() && key.size(3) == dim,
+              "key and value must be [", batch, ", kv_heads, keys, ", dim, "], got ", key.sizes(), " and ",
+              value.sizes());
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads (", heads, ") must be a multiple of key heads (",
+              kv_heads, ")");
+  TORCH_CHECK(!causal || keys >= rows, "a causal call needs at least as many keys (", keys, ") as rows (", rows, ")");
+  TORCH_CHECK(window >= 0 && (window == 0 || causal), "window must be >= 0, and only given with causal, got ", window);
+  const bool half = dtype == at::kHalf;
+  auto prepared = [&](const at::Tensor& t) {
+    const at::Tensor u = half ? t.to(at::kFloat) : t;
+    return u.stride(3) == 1 ? u : u.contiguous();
+  };
+  const at::Tensor q = prepared(query), k = prepared(key), v = prepared(value);
+  KvbAttention a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.bf16 = dtype == at::kBFloat16;
+  a.batch = batch, a.heads = heads, a.kv_heads = kv_heads, a.rows = rows, a.keys = keys, a.dim = dim;
+  for (int d = 0; d < 3; ++d) {
+    a.q_strides[d] = q.stride(d), a.k_strides[d] = k.stride(d), a.v_strides[d] = v.stride(d);
+  }
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->device().is_cpu() && mask->dim() == 4, "mask must be a 4-d CPU tensor, got ", mask->sizes());
+    m = mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat);
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.is_floating_point(), "mask must be bool or float, got ",
+                mask->scalar_type());
+    m = m.expand({batch, heads, rows, keys});  // broadcast dimensions get stride 0: nothing is copied
+    for (int d = 0; d < 4; ++d) a.m_strides[d] = m.stride(d);
+    if (m.scalar_type() == at::kBool)
+      a.bool_mask = reinterpret_cast<const uint8_t*>(m.data_ptr());
+    else
+      a.float_mask = m.data_ptr<float>();
+  }
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  a.window = window;
+  at::Tensor out = at::empty({batch, rows, heads, dim}, q.options().dtype(at::kFloat));
+  a.out = out.data_ptr<float>();
+  const int64_t level = get_level();
+  const int64_t per_row = std::max<int64_t>(1, keys * dim);
+  const int64_t grain = std::max<int64_t>(1, 32768 / per_row);  // rows small enough stay on one thread
+  const int64_t scratch = 2 * ((dim + 15) / 16 * 16) + 16 + keys;
+  at::parallel_for(0, batch * heads * rows, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buffer(scratch);
+    KVB_BY_LEVEL(level, attention_rows, a, t0, t1, buffer.data());
+  });
+  return out.scalar_type() == dtype ? out : out.to(dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvboost, m) {
@@ -204,6 +272,7 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor weight, int n) -> Tensor");
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, bool causal, int window) -> Tensor");
   m.def("set_isa_level(int level) -> int", &set_level);
   m.def("isa_level() -> int", &get_level);
   m.def("host_isa_level() -> int", &get_host_level);
@@ -214,4 +283,5 @@ TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("dense_linear", &dense_linear);
   m.impl("linear", &linear);
+  m.impl("attention", &attention);
 }

@@ -104,6 +104,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None, *,
+              scale: float | None = None, causal: bool = False, window: int | None = None) -> torch.Tensor:
+    """Attention of ``query`` ``[B, H, M, D]`` over ``key``/``value`` ``[B, Hkv, N, D]`` (``H`` a multiple of
+    ``Hkv``), returned as ``[B, M, H, D]`` in ``query``'s dtype (transformers' attention output layout).
+
+    Query row ``i`` sits at position ``N - M + i``: with ``causal`` it reads keys up to there, with
+    ``window`` only the last ``window`` of those; ``mask`` (bool, True = read, or float added to the
+    scores; broadcast to ``[B, H, M, N]``) removes more. Each row is computed alone in float32 from its
+    query and the keys it reads, in key order (``csrc/attention_body.inc``): the same bits for any row
+    count, thread count, ISA path, and whatever else the cache holds."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return torch.ops.kvboost.attention(query, key, value, mask, float(scale), causal, window or 0)
+
+
 def _register_fakes() -> None:
     def fake(x: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
@@ -112,3 +127,5 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::int8_linear")(lambda x, q, s, n: fake(x, n))
     torch.library.register_fake("kvboost::dense_linear")(lambda x, w, n: fake(x, n))
     torch.library.register_fake("kvboost::linear")(lambda x, w: fake(x, w.shape[0]))
+    torch.library.register_fake("kvboost::attention")(
+        lambda q, k, v, mask, scale, causal, window: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])))

@@ -9,13 +9,15 @@ keys). Outside a scattered forward the mask function is exactly ``sdpa_mask``; o
 forward (a packed batch, a row-exact verification) the attention function is exactly SDPA.
 
 Attention layers of a model whose numerics kvboost_hf owns (an int4 model on our kernels, a
-self-draft) may be marked to compute SDPA in float32 (:func:`attention_in_float32`): on CPU (torch
-2.13), bf16 SDPA for a single query row, a decode step, takes a path 3-4x slower than casting to
+self-draft) may compute attention their own way (:func:`own_attention`, an :class:`OwnedAttention`):
+kvboost_hf's C++ kernel (``kernels.attention.KernelAttention``: each row computed alone, so one call
+verifies many rows exactly), or, without the kernels, SDPA in float32 (:class:`Float32SDPA`): on CPU
+(torch 2.13), bf16 SDPA for a single query row, a decode step, takes a path 3-4x slower than casting to
 float32 and back (184 against 64 us over 209 keys, Gemma-3-270M's heads), while for more rows the two
-cost about the same (9 rows: 96 against 126 us; a 256-token prefill: ~3 ms either way). Every call
-is cast, whatever its rows, so that a prompt's numerics do not depend on how it is chunked (a batch
-row equals the request alone). Every SDPA call of kvboost_hf goes through :func:`sdpa_forward`, so
-routed, packed and plain forwards agree.
+cost about the same (9 rows: 96 against 126 us; a 256-token prefill: ~3 ms either way). Every call of
+a marked layer goes the same way, whatever its rows, so that a prompt's numerics do not depend on how
+it is chunked (a batch row equals the request alone). Every SDPA call of kvboost_hf goes through
+:func:`sdpa_forward`, so routed, packed and plain forwards agree.
 
 Scattered queries and routes are per thread. The model's config, which every thread shares,
 is switched to ``kvboost_sdpa`` once, by :func:`use_kvboost_sdpa`, and never back per request:
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -36,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "kvboost_sdpa"
-FLOAT32_ATTR = "kvboost_float32_attention"  # on a model and its attention layers: SDPA runs in float32
+OWNED_ATTR = "kvboost_attention"  # on a model and its attention layers: the OwnedAttention they run
 SDPA_IMPLEMENTATIONS = ("sdpa", ATTENTION_NAME)  # stock SDPA, and ours (the same kernel)
 
 logger = logging.getLogger(__name__)
@@ -83,22 +86,69 @@ def kvboost_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def sdpa_forward(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA forward; for a CPU call on a layer marked by :func:`attention_in_float32`, with
-    reduced-precision ``query``/``key``/``value`` (and a float mask) cast to float32 and the output cast
-    back (a marked model moved to a GPU keeps its fast kernels there)."""
-    query, key, value, dtype = float32_inputs(module, query, key, value)
-    if dtype is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out, weights = sdpa_attention_forward(module, query, key, value, float32_mask(attention_mask), **kwargs)
-    return out.to(dtype), weights
+    """transformers' SDPA forward, or the layer's own attention where :func:`own_attention` gave it one
+    that applies to ``query`` (a marked model moved to a GPU keeps torch's kernels there)."""
+    owned = owned_attention(module, query)
+    if owned is not None:
+        return owned(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+class OwnedAttention(Protocol):
+    """How the attention layers of a model whose numerics kvboost_hf owns compute (instead of stock SDPA).
+
+    Called like a transformers attention function (``module, query, key, value, attention_mask,
+    **kwargs`` -> ``(output [B, M, H, D], None)``) wherever it :meth:`applies`. ``name`` goes into the
+    store namespace: K/V computed one way never serve a model computing another way."""
+
+    name: str
+
+    def applies(self, query: torch.Tensor) -> bool: ...
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]: ...
+
+    def decode_rows(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                    window: int | None, scaling: float | None) -> torch.Tensor | None:
+        """``query``'s rows (the last rows of ``key``), each exactly as its own one-row decode step computes
+        it (over the whole past, or the last ``window`` keys), in one call; None where this attention
+        cannot (the caller then makes one call per row)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Float32SDPA:
+    """Stock SDPA on float32 copies of reduced-precision CPU inputs, the output cast back."""
+
+    name: str = "sdpa-float32"
+
+    def applies(self, query: torch.Tensor) -> bool:
+        return query.dtype != torch.float32 and query.device.type == "cpu"
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
+                                              float32_mask(attention_mask), **kwargs)
+        return out.to(query.dtype), weights
+
+    def decode_rows(self, module, query, key, value, *, window, scaling):
+        return None  # SDPA's bits depend on the row count: one call per row (speculative.exact_rows)
+
+
+FLOAT32_SDPA = Float32SDPA()
+
+
+def owned_attention(module, query: torch.Tensor | None = None) -> OwnedAttention | None:
+    """The attention :func:`own_attention` gave ``module`` (None if none; with ``query``, None where it
+    does not apply to it)."""
+    owned = getattr(module, OWNED_ATTR, None)
+    return owned if owned is not None and (query is None or owned.applies(query)) else None
 
 
 def float32_inputs(module, query, key, value):
-    """``(query, key, value, dtype)``: cast to float32 with the dtype to cast the output back to, where
-    :func:`sdpa_forward` would cast them; else as given with ``None``. A caller making several calls over
-    slices of one key/value (row-exact verification) casts once; the bits are the same if each call
+    """``(query, key, value, dtype)``: cast to float32 with the dtype to cast the output back to, where the
+    layer runs :class:`Float32SDPA` on ``query``; else as given with ``None``. A caller making several calls
+    over slices of one key/value (row-exact verification) casts once; the bits are the same if each call
     gets its slice contiguous, as a cast slice would be. A float mask goes through :func:`float32_mask`."""
-    if query.dtype == torch.float32 or query.device.type != "cpu" or not getattr(module, FLOAT32_ATTR, False):
+    if not isinstance(owned_attention(module, query), Float32SDPA):
         return query, key, value, None
     return query.float(), key.float(), value.float(), query.dtype
 
@@ -108,22 +158,27 @@ def float32_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask.float() if mask is not None and mask.is_floating_point() else mask
 
 
-def attention_in_float32(model: nn.Module) -> bool:
-    """Make ``model``'s attention layers compute SDPA in float32 (switching it to ``kvboost_sdpa``); returns
-    whether they do. For models whose numerics kvboost_hf owns only: it changes a bf16 model's outputs in
-    the last bits, and stock models promise identity with plain ``generate``. Eager, flash and other
+def own_attention(model: nn.Module, owned: OwnedAttention) -> bool:
+    """Make ``model``'s attention layers compute with ``owned`` (switching it to ``kvboost_sdpa``); returns
+    whether they do. For models whose numerics kvboost_hf owns only: it changes a model's outputs in the
+    last bits, and stock models promise identity with plain ``generate``. Eager, flash and other
     implementations, and models without ``*Attention`` modules, are left alone (False). Call it before the
     model serves: a forward running meanwhile may see some layers marked and others not."""
-    if getattr(model, FLOAT32_ATTR, False):
+    if getattr(model, OWNED_ATTR, None) == owned:
         return use_kvboost_sdpa(model)  # False if its attention was switched to another implementation since
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if not layers or not use_kvboost_sdpa(model):
         return False
     for layer in layers:
-        setattr(layer, FLOAT32_ATTR, True)
-    setattr(model, FLOAT32_ATTR, True)
-    logger.info("%s computes attention in float32 (%d layers)", type(model).__name__, len(layers))
+        setattr(layer, OWNED_ATTR, owned)
+    setattr(model, OWNED_ATTR, owned)
+    logger.info("%s computes attention with %s (%d layers)", type(model).__name__, owned.name, len(layers))
     return True
+
+
+def attention_in_float32(model: nn.Module) -> bool:
+    """:func:`own_attention` with :class:`Float32SDPA`: the way without kvboost_hf's kernels."""
+    return own_attention(model, FLOAT32_SDPA)
 
 
 def layer_window(module, sliding_window: int | None) -> int | None:
@@ -169,10 +224,10 @@ def use_kvboost_sdpa(model: nn.Module) -> bool:
     ``kvboost_sdpa`` now (False for eager, flash and other implementations, which are left alone).
 
     Idempotent and thread-safe, and meant to stay: outside a routed or scattered forward on the
-    calling thread ``kvboost_sdpa`` computes exactly what SDPA computes (in float32 on layers marked by
-    :func:`attention_in_float32`), so forwards on other threads are unaffected and nothing switches
+    calling thread ``kvboost_sdpa`` computes exactly what SDPA computes (or a layer's own attention, given by
+    :func:`own_attention`), so forwards on other threads are unaffected and nothing switches
     back per request. The store namespace does not change (the fingerprint files ``kvboost_sdpa`` as
-    ``sdpa``), unless :func:`attention_in_float32` marked the model (``sdpa-float32``)."""
+    ``sdpa``), unless :func:`own_attention` marked the model (its attention's ``name``)."""
     config = model.config
     if config._attn_implementation == ATTENTION_NAME:
         return True

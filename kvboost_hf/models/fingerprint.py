@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvboost_hf.models.attention import FLOAT32_ATTR
+from kvboost_hf.models.attention import owned_attention
 from kvboost_hf.store.keys import Key, namespace_key
 
 # Elements per tensor that model_state_token samples on every request (the fingerprint itself
@@ -174,9 +174,10 @@ def model_state_token(model: torch.nn.Module) -> tuple:
 def _attention_family(model: torch.nn.Module) -> str | None:
     name = getattr(getattr(model, "config", None), "_attn_implementation", None)
     # kvboost's registered SDPA (same kernel, position-aware masks) computes the same K/V as SDPA,
-    # unless the model's attention runs in float32 (models.attention.attention_in_float32).
+    # unless the model computes attention its own way (models.attention.own_attention).
     if name == "kvboost_sdpa":
-        return "sdpa-float32" if getattr(model, FLOAT32_ATTR, False) else "sdpa"
+        owned = owned_attention(model)
+        return "sdpa" if owned is None else owned.name
     return name
 
 

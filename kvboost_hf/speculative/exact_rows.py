@@ -9,8 +9,9 @@ round their activations to bf16, which turns such bits into visible differences 
 Gemma-3-270M hidden state), and greedy tokens flipped in 3 of 12 benchmark requests.
 
 So on such a target every forward after the prompt prefill (a verification, or a plain step of
-the assisted loop) routes ``kvboost_sdpa`` to :func:`row_exact_attention`: one stock SDPA call
-per query row, over exactly the keys a decode step of that row sees (the whole past, or the last
+the assisted loop) routes ``kvboost_sdpa`` to :func:`row_exact_attention`: one call for all rows
+where the layer's own attention computes rows alone (``OwnedAttention.decode_rows``: kvboost_hf's
+attention kernel), else one stock SDPA call per query row, over exactly the keys a decode step of that row sees (the whole past, or the last
 ``sliding_window`` on a sliding layer), with the mask the decode step passes (none, or an
 all-True one once a sliding window is full: :func:`kvboost_hf.models.attention.decode_step_mask`). The
 LM head's rows are made exact separately (:mod:`.verify_head`). Float targets keep the batched
@@ -55,6 +56,11 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
         return attention.sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     window = attention.layer_window(module, sliding_window)
+    owned = attention.owned_attention(module, query)
+    rows_at_once = None if owned is None else owned.decode_rows(module, query, key, value, window=window,
+                                                                scaling=scaling)
+    if rows_at_once is not None:  # an attention whose rows are computed alone (kvboost's kernel)
+        return rows_at_once, None
     kwargs.pop("is_causal", None)
     total = key.shape[-2]
     first = max(0, total - rows + 1 - window) if window is not None else 0  # the first key any row reads

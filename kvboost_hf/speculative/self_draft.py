@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
-from kvboost_hf.models.attention import attention_in_float32
+from kvboost_hf.kernels.attention import cpu_attention
+from kvboost_hf.models.attention import own_attention
 from kvboost_hf.models.fused_norm import fuse_norms
 from kvboost_hf.reuse import STATE_ATTR
 from kvboost_hf.speculative.head import DraftHead
@@ -95,8 +96,9 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     draft.config.tie_word_embeddings = False
     compute_in(draft, compute_dtype)
     fuse_norms(draft, compute_dtype)
-    if compute_dtype != torch.float32 and _device_of(model).type == "cpu":
-        attention_in_float32(draft)  # a draft's numerics are ours; CPU bf16 SDPA is 3-4x slower
+    owned = cpu_attention(compute_dtype) if _device_of(model).type == "cpu" else None
+    if owned is not None:  # a draft's numerics are ours: the kernel's attention, or float32 SDPA
+        own_attention(draft, owned)
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
                         + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
     draft.eval()

@@ -19,7 +19,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvboost_hf.kernels import KernelLinear
-from kvboost_hf.models.attention import attention_in_float32
+from kvboost_hf.kernels.attention import KernelAttention
+from kvboost_hf.models.attention import own_attention
 from kvboost_hf.models.fused_norm import fuse_norms
 from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
 from kvboost_hf.streaming.config import StreamingAWQConfig
@@ -234,7 +235,7 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     if kernel.amortises_rows:  # this model's numerics are ours: fewer, cheaper calls per decode step
         fuse_projections(model)  # exact on this kernel: columns are computed independently
         fuse_norms(_text_stack(model), model.dtype)  # one torch.rms_norm call each for HF's 6-8 small ops
-        attention_in_float32(model)  # torch's bf16 SDPA is slow for a decode row on CPU
+        own_attention(model, KernelAttention())  # rows computed alone; bf16 SDPA is slow for a decode row
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()

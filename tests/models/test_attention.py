@@ -138,7 +138,7 @@ def test_float32_attention_leaves_eager_models_alone():
     model = make_tiny("llama").to(torch.bfloat16)
     model.set_attn_implementation("eager")
     assert not attention.attention_in_float32(model)
-    assert not any(getattr(m, attention.FLOAT32_ATTR, False) for m in model.modules())
+    assert not any(attention.owned_attention(m) for m in model.modules())
 
 
 def test_every_sdpa_call_of_the_package_goes_through_sdpa_forward():

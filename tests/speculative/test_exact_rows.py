@@ -41,15 +41,28 @@ def _verify_hidden(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
         return model.model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).last_hidden_state[0]
 
 
+def _attention_per_row(target) -> None:
+    """The way without kvboost_hf's attention kernel: float32 SDPA (bf16) or stock SDPA, one call per row."""
+    owned = attention.FLOAT32_SDPA if target.dtype == torch.bfloat16 else None
+    for module in target.modules():
+        if attention.owned_attention(module) is not None:
+            setattr(module, attention.OWNED_ATTR, owned)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("prefix", [5, SLIDING_WINDOW + 3])  # inside and beyond the sliding window
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: float32 attention on our kernels
-def test_verified_rows_equal_decode_steps(family, prefix, dtype, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("way", ["kernel", "per-row"])
+def test_verified_rows_equal_decode_steps(family, prefix, dtype, way, tmp_path, monkeypatch):
+    from kvboost_hf.kernels import ops
+
     target = _int4_target(family, tmp_path / "ckpt", dtype=dtype)
     assert needs_exact_rows(target)
+    if way == "per-row":
+        _attention_per_row(target)
     ids = random_ids(prefix + 7, 4)
-    calls = []
-    real = attention.sdpa_forward
+    calls, kernel_calls = [], []
+    real, real_kernel = attention.sdpa_forward, ops.attention
     with torch.no_grad():
         decoded = _decode_hidden(target, ids, prefix)
         def counted(*args, **kwargs):  # the routed forward's calls (the prefix prefill is not routed)
@@ -57,10 +70,19 @@ def test_verified_rows_equal_decode_steps(family, prefix, dtype, tmp_path, monke
                 calls.append(args[1].shape[2])
             return real(*args, **kwargs)
 
+        def counted_kernel(query, *args, **kwargs):
+            if attention.attention_route() is not None:
+                kernel_calls.append(query.shape[2])
+            return real_kernel(query, *args, **kwargs)
+
         monkeypatch.setattr(attention, "sdpa_forward", counted)
+        monkeypatch.setattr(ops, "attention", counted_kernel)
         verified = _verify_hidden(target, ids, prefix)
     assert torch.equal(verified, decoded)
-    assert calls and set(calls) == {1}  # one query row per SDPA call
+    if way == "kernel":  # one call per layer for all 7 rows
+        assert not calls and kernel_calls == [7] * target.config.num_hidden_layers
+    else:
+        assert calls and set(calls) == {1} and not kernel_calls  # one query row per SDPA call
     # Switched once and kept (other threads' requests share the config); stock SDPA when not routed.
     assert target.config._attn_implementation == "kvboost_sdpa"
     assert attention.attention_route() is None

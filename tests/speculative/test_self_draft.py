@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvboost_hf import ControllerSettings, last_request_stats, make_draft
-from kvboost_hf.models.attention import FLOAT32_ATTR
+from kvboost_hf.kernels.attention import cpu_attention
+from kvboost_hf.models.attention import owned_attention
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.models.fused_norm import FusedRMSNorm
 from kvboost_hf.speculative.head import DraftHead
@@ -66,9 +67,11 @@ def test_bf16_draft_computes_in_bf16_and_leaves_the_target_alone(reuse):
     assert seen == [torch.bfloat16] and logits.dtype == torch.float32
     float_draft = make_draft(model, bits=4, activations=torch.float32)
     assert namespace(draft) != namespace(float_draft)
-    # The bf16 draft's attention computes in float32 (CPU bf16 SDPA is slow); the target keeps stock SDPA.
-    assert getattr(draft.model.layers[0].self_attn, FLOAT32_ATTR, False) and draft.config._attn_implementation != "sdpa"
-    assert not any(getattr(m, FLOAT32_ATTR, False) for m in [*model.modules(), *float_draft.modules()])
+    # The drafts' attention is ours (the kernel's, or float32 SDPA for bf16 where it is not built: CPU bf16
+    # SDPA is slow); the target keeps stock SDPA.
+    assert owned_attention(draft.model.layers[0].self_attn) is not None and draft.config._attn_implementation != "sdpa"
+    assert not any(owned_attention(m) for m in model.modules())
+    assert owned_attention(float_draft) == cpu_attention(torch.float32)
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, draft=draft), ref)
     assert store.stats()["entries"] > 0

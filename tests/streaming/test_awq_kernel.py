@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvboost_hf import kernels
-from kvboost_hf.models.attention import FLOAT32_ATTR
+from kvboost_hf.kernels.attention import KernelAttention
+from kvboost_hf.models.attention import owned_attention
 from kvboost_hf.models.fused_norm import FusedRMSNorm
 from kvboost_hf.streaming import kernel as kernel_module
 from kvboost_hf.streaming.linear import AWQInt4Linear
@@ -51,12 +52,13 @@ def test_every_mode_on_the_kvboost_kernel_equals_its_resident_model(family, tiny
             assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), ref_tokens), settings
 
 
-def test_only_the_kvboost_kernel_computes_attention_in_float32_with_fused_norms(tiny_awq, kernels_built):
+def test_only_the_kvboost_kernel_computes_attention_on_the_kernel_with_fused_norms(tiny_awq, kernels_built):
     _, path = tiny_awq["gemma3"]
     models = {kernel: load_awq(path, residency_mode="full_resident", kernel=kernel) for kernel in ("kvboost", "torch")}
-    marked = {kernel: [getattr(m, FLOAT32_ATTR, False) for m in model.modules() if type(m).__name__.endswith("Attention")]
+    marked = {kernel: [owned_attention(m) for m in model.modules() if type(m).__name__.endswith("Attention")]
               for kernel, model in models.items()}
-    assert marked["kvboost"] and all(marked["kvboost"]) and not any(marked["torch"])
+    assert marked["kvboost"] and all(isinstance(a, KernelAttention) for a in marked["kvboost"])
+    assert not any(marked["torch"])
     assert models["kvboost"].config._attn_implementation == "kvboost_sdpa"  # still, after from_pretrained
     assert models["torch"].config._attn_implementation == "sdpa"
     # and its RMSNorms are fused (one torch.rms_norm each); the torch-kernel model keeps HF's modules
