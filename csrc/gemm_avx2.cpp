@@ -65,5 +65,6 @@ struct V16 {
 
 #include "gemm_body.inc"
 #include "attention_body.inc"
+#include "norm_body.inc"
 
 }  // namespace kvb_avx2

@@ -63,6 +63,8 @@ struct KvbAttention {
   void f32_rows(const float* x, int64_t m, int64_t k, const float* w, int64_t n0, int64_t n1,        \
                 float* out, int64_t ldo);                                                            \
   void attention_rows(const KvbAttention& a, int64_t t0, int64_t t1, float* scratch);                \
+  void rms_rows(const void* x, bool bf16, int64_t ldx, int64_t n, const float* scale, float eps,      \
+                int64_t r0, int64_t r1, float* out);                                                 \
   }
 
 KVB_DECLARE_ISA(kvb_scalar)

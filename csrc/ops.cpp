@@ -265,6 +265,32 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
+// RMSNorm over the last dimension (see norm_body.inc): x float32, bfloat16 or float16 (computed from a
+// float32 copy), scale float32 [n]; the result in x's dtype. Threads split rows.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor, got ", x.device());
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                  scale.dim() == 1 && scale.size(0) == n,
+              "scale must be a contiguous float32 CPU tensor [", n, "], got ", scale.scalar_type(), " ", scale.sizes());
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "x must be float32, bfloat16 or float16, got ", dtype);
+  const at::Tensor xc = (dtype == at::kHalf ? x.to(at::kFloat) : x).contiguous();
+  const int64_t rows = n == 0 ? 0 : xc.numel() / n;
+  at::Tensor out = at::empty(x.sizes(), xc.options().dtype(at::kFloat));
+  const int64_t level = get_level();
+  const void* xp = xc.data_ptr();
+  const bool bf16 = dtype == at::kBFloat16;
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+    KVB_BY_LEVEL(level, rms_rows, xp, bf16, n, n, sp, e, r0, r1, op);
+  });
+  return out.scalar_type() == dtype ? out : out.to(dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvboost, m) {
@@ -272,6 +298,7 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor weight, int n) -> Tensor");
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor scale, float eps) -> Tensor");
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, bool causal, int window) -> Tensor");
   m.def("set_isa_level(int level) -> int", &set_level);
   m.def("isa_level() -> int", &get_level);
@@ -284,4 +311,5 @@ TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
   m.impl("dense_linear", &dense_linear);
   m.impl("linear", &linear);
   m.impl("attention", &attention);
+  m.impl("rms_norm", &rms_norm);
 }

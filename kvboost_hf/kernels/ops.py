@@ -119,6 +119,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return torch.ops.kvboost.attention(query, key, value, mask, float(scale), causal, window or 0)
 
 
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * scale`` over the last dimension, in ``x``'s dtype (float32 inside; each
+    row alone, its sum of squares in the dot-product order of ``csrc/norm_body.inc``)."""
+    return torch.ops.kvboost.rms_norm(x, scale, float(eps))
+
+
 def _register_fakes() -> None:
     def fake(x: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
@@ -127,5 +133,6 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::int8_linear")(lambda x, q, s, n: fake(x, n))
     torch.library.register_fake("kvboost::dense_linear")(lambda x, w, n: fake(x, n))
     torch.library.register_fake("kvboost::linear")(lambda x, w: fake(x, w.shape[0]))
+    torch.library.register_fake("kvboost::rms_norm")(lambda x, scale, eps: torch.empty_like(x))
     torch.library.register_fake("kvboost::attention")(
         lambda q, k, v, mask, scale, causal, window: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])))

@@ -155,8 +155,8 @@ def model_state_token(model: torch.nn.Module) -> tuple:
     tensors = [t for _, t in state_tensors(model)]
     layout = tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
     memo = _tuners.get(model)
-    if memo is None or memo[0] != layout:  # adapters bring parameters: same tensors, same tuner layers
-        memo = (layout, tuner_layers(model))
+    if memo is None or memo[0] != layout:  # adapters and swapped modules bring tensors: the layout changes
+        memo = (layout, tuner_layers(model), module_numerics(model))
         _tuners[model] = memo
     layers = memo[1]
     return (
@@ -167,8 +167,15 @@ def model_state_token(model: torch.nn.Module) -> tuple:
         tuple(active_adapters(model, layers)),
         adapter_scales(model, layers),
         _attention_family(model),  # kvboost_sdpa (switched on for some requests) computes SDPA's K/V
+        memo[2],
         config_digest(model),
     )
+
+
+def module_numerics(model: torch.nn.Module) -> tuple[str, ...]:
+    """The ``kvboost_numerics`` names of the modules kvboost_hf put in ``model`` that compute their own bits
+    (``FusedRMSNorm`` and its kernel subclass), sorted; empty for a stock model."""
+    return tuple(sorted({name for m in model.modules() if (name := getattr(type(m), "kvboost_numerics", None))}))
 
 
 def _attention_family(model: torch.nn.Module) -> str | None:
@@ -197,6 +204,9 @@ def model_namespace(model: torch.nn.Module, extra: dict[str, Any] | None = None)
         "adapter_scales": adapter_scales(model),
         "attn_implementation": _attention_family(model),
     }
+    numerics = module_numerics(model)
+    if numerics:  # only then: a stock model's namespace stays what it always was
+        parts["module_numerics"] = list(numerics)
     if extra:
         parts["extra"] = extra
     return namespace_key(parts)

@@ -30,6 +30,8 @@ TOLERANCE = 2e-2  # relative to the element plus its row's RMS: bf16 has 8 signi
 class FusedRMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * scale`` over the last dimension, computed in float32."""
 
+    kvboost_numerics = "torch-rms-norm"  # in the store namespace: a subclass computing other bits names itself
+
     def __init__(self, scale: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.register_buffer("scale", scale.detach().to(torch.float32).contiguous())
@@ -53,8 +55,9 @@ class FusedRMSNorm(nn.Module):
 
 
 @torch.no_grad()
-def fused_equivalent(module: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | None:
-    """A :class:`FusedRMSNorm` that behaves like ``module`` on ``dtype`` inputs, or None."""
+def fused_equivalent(module: nn.Module, dtype: torch.dtype, norm: type[FusedRMSNorm] = FusedRMSNorm
+                     ) -> FusedRMSNorm | None:
+    """A ``norm`` (:class:`FusedRMSNorm` or a subclass) that behaves like ``module`` on ``dtype`` inputs, or None."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
     if not type(module).__name__.endswith("RMSNorm") or weight is None or weight.dim() != 1 or eps is None:
@@ -64,7 +67,7 @@ def fused_equivalent(module: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | No
     dim = weight.shape[0]
     ones = torch.ones(1, dim, dtype=torch.float32, device=weight.device)
     scale = module(ones).float()[0] * torch.sqrt(torch.tensor(1.0 + float(eps)))
-    fused = FusedRMSNorm(scale, float(eps))
+    fused = norm(scale, float(eps))
     x = probe_inputs(dim).to(device=weight.device, dtype=dtype)
     expected, got = module(x), fused(x)
     if got.shape != expected.shape or got.dtype != expected.dtype:  # e.g. a float32 weight promoting its output
@@ -92,12 +95,13 @@ def probe_inputs(dim: int) -> torch.Tensor:
     return torch.cat([gaussian, spiked, halves, small])
 
 
-def fuse_norms(root: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every RMSNorm module under ``root`` that :func:`fused_equivalent` reproduces; returns how many."""
+def fuse_norms(root: nn.Module, dtype: torch.dtype, norm: type[FusedRMSNorm] = FusedRMSNorm) -> int:
+    """Replace every RMSNorm module under ``root`` that :func:`fused_equivalent` reproduces with a ``norm``
+    (kvboost_hf's op where the kernels are built: ``kernels.norm.KernelRMSNorm``); returns how many."""
     replaced = 0
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
-            fused = fused_equivalent(child, dtype)
+            fused = fused_equivalent(child, dtype, norm)
             if fused is not None:
                 setattr(parent, name, fused)
                 replaced += 1

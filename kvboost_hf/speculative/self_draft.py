@@ -24,8 +24,9 @@ from torch import nn
 
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
 from kvboost_hf.kernels.attention import cpu_attention
+from kvboost_hf.kernels.norm import cpu_norm
 from kvboost_hf.models.attention import own_attention
-from kvboost_hf.models.fused_norm import fuse_norms
+from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms
 from kvboost_hf.reuse import STATE_ATTR
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
@@ -95,7 +96,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
         draft.config.final_logit_softcapping = None  # applied inside DraftHead, before the -inf fill
     draft.config.tie_word_embeddings = False
     compute_in(draft, compute_dtype)
-    fuse_norms(draft, compute_dtype)
+    fuse_norms(draft, compute_dtype, cpu_norm() if _device_of(model).type == "cpu" else FusedRMSNorm)
     owned = cpu_attention(compute_dtype) if _device_of(model).type == "cpu" else None
     if owned is not None:  # a draft's numerics are ours: the kernel's attention, or float32 SDPA
         own_attention(draft, owned)

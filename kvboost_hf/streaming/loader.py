@@ -20,6 +20,7 @@ from torch import nn
 
 from kvboost_hf.kernels import KernelLinear
 from kvboost_hf.kernels.attention import KernelAttention
+from kvboost_hf.kernels.norm import KernelRMSNorm
 from kvboost_hf.models.attention import own_attention
 from kvboost_hf.models.fused_norm import fuse_norms
 from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
@@ -234,7 +235,7 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         model.set_output_embeddings(KernelLinear.adopt(head))
     if kernel.amortises_rows:  # this model's numerics are ours: fewer, cheaper calls per decode step
         fuse_projections(model)  # exact on this kernel: columns are computed independently
-        fuse_norms(_text_stack(model), model.dtype)  # one torch.rms_norm call each for HF's 6-8 small ops
+        fuse_norms(_text_stack(model), model.dtype, KernelRMSNorm)  # one op call each for HF's 6-8 small ops
         own_attention(model, KernelAttention())  # rows computed alone; bf16 SDPA is slow for a decode row
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
