@@ -93,11 +93,14 @@ def test_a_float_target_keeps_the_batched_call(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_adaptive_speculation_on_an_int4_target_is_token_identical(family, tmp_path, reuse):
-    target = _int4_target(family, tmp_path / "ckpt", layers=5)
+@pytest.mark.parametrize("dtype,adaptive", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_speculation_on_an_int4_target_is_token_identical(family, dtype, adaptive, tmp_path, reuse):
+    """bf16 too: on the kvboost kernel its attention and norms are ours, and a bf16 draft of it as well."""
+    target = _int4_target(family, tmp_path / "ckpt", layers=5, dtype=dtype)
     draft = make_draft(target, bits=4)
     reuse(target)
-    settings = ControllerSettings(min_gain=1e-6, start_tokens=3, max_tokens=6)  # speculate in every round it can
+    # speculate in every round it can (adaptive), or a fixed 6 tokens in every round from the first
+    settings = ControllerSettings(min_gain=1e-6, start_tokens=3, max_tokens=6, adaptive=adaptive)
     verified = reused = 0
     common = random_ids(5, 99)  # later prompts reuse a partial chunk: the sliding layers load from the store
     for seed in (1, 2, 3):

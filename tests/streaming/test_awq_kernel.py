@@ -13,6 +13,7 @@ from kvboost_hf.models.attention import owned_attention
 from kvboost_hf.models.fused_norm import FusedRMSNorm
 from kvboost_hf.streaming import kernel as kernel_module
 from kvboost_hf.streaming.linear import AWQInt4Linear
+from tests.conftest import SLIDING_WINDOW
 from tests.streaming.conftest import load_awq
 
 
@@ -142,3 +143,38 @@ def test_gemma_verified_logits_equal_decode_steps(gemma_awq, kernels_built):
     ids = torch.randint(10, 20000, (1, 49), generator=torch.Generator().manual_seed(3))
     verified, steps = verified_and_stepped(model, ids, 40)
     assert torch.equal(verified, steps)
+
+
+def chunked_and_whole(model, ids: torch.Tensor, cuts: list[int]):
+    """Logits and K/V of ``ids`` prefilled whole, and in chunks ending at ``cuts`` (plain forwards)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        whole_cache = DynamicCache(config=model.config)
+        whole = model(ids, past_key_values=whole_cache, use_cache=True).logits[0]
+        cache, logits, start = DynamicCache(config=model.config), [], 0
+        for end in [*cuts, ids.shape[1]]:
+            logits.append(model(ids[:, start:end], past_key_values=cache, use_cache=True).logits[0])
+            start = end
+    return (torch.cat(logits), cache), (whole, whole_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prompt_computes_the_same_bits_however_it_is_chunked(dtype, tiny_awq, kernels_built):
+    """Stored prefill K/V equal a longer prompt's, and a reused prefix plus its suffix's chunk give the
+    logits of the whole prompt: every op of a kvboost-kernel model computes rows alone (GEMMs, norms,
+    attention), inside and beyond the sliding window."""
+    _, path = tiny_awq["gemma3"]
+    model = load_awq(path, residency_mode="full_resident", kernel="kvboost", dtype=dtype)
+    ids = _ids(SLIDING_WINDOW + 14, 8)
+    (logits, cache), (whole, whole_cache) = chunked_and_whole(model, ids, [5, 9, SLIDING_WINDOW + 2])
+    assert torch.equal(logits, whole)
+    for chunked_layer, whole_layer in zip(cache.layers, whole_cache.layers):
+        assert torch.equal(chunked_layer.keys, whole_layer.keys) and torch.equal(chunked_layer.values, whole_layer.values)
+
+
+def test_gemma_prompt_chunks_give_the_whole_prompts_logits(gemma_awq, kernels_built):
+    model = load_awq(gemma_awq, residency_mode="full_resident", kernel="kvboost")
+    ids = torch.randint(10, 20000, (1, 80), generator=torch.Generator().manual_seed(5))
+    (logits, _), (whole, _) = chunked_and_whole(model, ids, [33, 64])
+    assert torch.equal(logits, whole)
