@@ -239,9 +239,9 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   at::Tensor m;
   if (mask.has_value() && mask->defined()) {
     TORCH_CHECK(mask->device().is_cpu() && mask->dim() == 4, "mask must be a 4-d CPU tensor, got ", mask->sizes());
+    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->is_floating_point(),
+                "mask must be bool (True: read the key) or float (added to the scores), got ", mask->scalar_type());
     m = mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat);
-    TORCH_CHECK(m.scalar_type() == at::kBool || m.is_floating_point(), "mask must be bool or float, got ",
-                mask->scalar_type());
     m = m.expand({batch, heads, rows, keys});  // broadcast dimensions get stride 0: nothing is copied
     for (int d = 0; d < 4; ++d) a.m_strides[d] = m.stride(d);
     if (m.scalar_type() == at::kBool)
@@ -268,7 +268,8 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
 // RMSNorm over the last dimension (see norm_body.inc): x float32, bfloat16 or float16 (computed from a
 // float32 copy), scale float32 [n]; the result in x's dtype. Threads split rows.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor with at least one dimension, got ",
+              x.device(), " ", x.sizes());
   const int64_t n = x.size(-1);
   TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
                   scale.dim() == 1 && scale.size(0) == n,

@@ -29,25 +29,22 @@ class KernelAttention:
 
     name: str = "kvboost-attention-v1"  # in the store namespace: bump it when the kernel's bits change
 
+    def __post_init__(self) -> None:
+        if not self.available():
+            raise RuntimeError("KernelAttention needs the kvboost_hf kernels: see kvboost_hf.kernels.available()")
+
     @staticmethod
     def available() -> bool:
         """Whether the kernels are built and loaded in this process (building them on first call)."""
         return ops.loaded()
 
     def applies(self, query: torch.Tensor) -> bool:
-        return query.device.type == "cpu"
+        return query.device.type == "cpu" and query.dtype in ops.DTYPES
 
     def __call__(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, position_bias: torch.Tensor | None = None, **kwargs):
-        if kwargs.get("softcap") is not None:
-            raise ValueError("kvboost attention, like `sdpa`, does not support `softcap`: use `eager` attention")
-        if dropout:
-            raise ValueError(f"kvboost attention is for inference: dropout must be 0, got {dropout} "
-                             "(call model.eval())")
-        if kwargs.get("cache") is not None:
-            raise NotImplementedError("kvboost attention does not run on transformers' paged cache "
-                                      "(continuous batching): use kvboost_hf's server batching instead")
+        _refuse(dropout, kwargs)
         rows = query.shape[2]
         # As transformers' SDPA forward decides it (a decode row reads every key).
         causal = rows > 1 and attention_mask is None and (
@@ -59,10 +56,26 @@ class KernelAttention:
         return ops.attention(query, key, value, mask, scale=scaling, causal=bool(causal)), None
 
     def decode_rows(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                    window: int | None, scaling: float | None) -> torch.Tensor:
+                    window: int | None, scaling: float | None, dropout: float = 0.0,
+                    position_bias: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
         """One call: row ``i`` reads the keys up to its position (the last ``window`` of them on a sliding
-        layer), exactly the keys its decode step reads, and is computed as that step computes it."""
+        layer), exactly the keys its decode step reads, and is computed as that step computes it. None with
+        a position bias (then each row is a call of its own, with its bias)."""
+        _refuse(dropout, kwargs)
+        if position_bias is not None:
+            return None
         return ops.attention(query, key, value, None, scale=scaling, causal=True, window=window)
+
+
+def _refuse(dropout: float, kwargs: dict) -> None:
+    """Errors for what transformers' SDPA refuses too, or what an inference kernel cannot do."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("kvboost attention, like `sdpa`, does not support `softcap`: use `eager` attention")
+    if dropout:
+        raise ValueError(f"kvboost attention is for inference: dropout must be 0, got {dropout} (call model.eval())")
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError("kvboost attention does not run on transformers' paged cache "
+                                  "(continuous batching): use kvboost_hf's server batching instead")
 
 
 def _with_bias(mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -21,8 +21,13 @@ class KernelRMSNorm(FusedRMSNorm):
 
     kvboost_numerics = "kvboost-rms-norm-v1"  # in the store namespace (models.fingerprint)
 
+    def __init__(self, scale: torch.Tensor, eps: float) -> None:
+        if not ops.loaded():
+            raise RuntimeError("KernelRMSNorm needs the kvboost_hf kernels: see kvboost_hf.kernels.available()")
+        super().__init__(scale, eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or x.dtype not in ops.DTYPES:  # float64, or a model moved to a GPU
             return super().forward(x)
         return ops.rms_norm(x, self.scale, self.eps)
 

@@ -19,6 +19,8 @@ ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
 ISA_ENV = "KVBOOST_HF_KERNEL_ISA"  # force a path (lowered to what the CPU has)
 _TORCH_CAPABILITY = {"AVX512": "avx512_bf16", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the attention and norm ops take
+
 _registered = False
 _register_lock = threading.Lock()
 
@@ -133,6 +135,15 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::int8_linear")(lambda x, q, s, n: fake(x, n))
     torch.library.register_fake("kvboost::dense_linear")(lambda x, w, n: fake(x, n))
     torch.library.register_fake("kvboost::linear")(lambda x, w: fake(x, w.shape[0]))
-    torch.library.register_fake("kvboost::rms_norm")(lambda x, scale, eps: torch.empty_like(x))
+    torch.library.register_fake("kvboost::rms_norm")(lambda x, scale, eps: x.new_empty(x.shape))  # contiguous
+    for name in ("kvboost::attention", "kvboost::rms_norm"):  # a clear error, not silently missing gradients
+        torch.library.register_autograd(name, _no_backward(name), setup_context=lambda ctx, inputs, output: None)
     torch.library.register_fake("kvboost::attention")(
         lambda q, k, v, mask, scale, causal, window: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])))
+
+
+def _no_backward(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{name} is inference-only: it has no backward (train with the model's own modules)")
+
+    return backward

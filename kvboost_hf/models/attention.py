@@ -108,10 +108,10 @@ class OwnedAttention(Protocol):
     def __call__(self, module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]: ...
 
     def decode_rows(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                    window: int | None, scaling: float | None) -> torch.Tensor | None:
+                    window: int | None, scaling: float | None, **kwargs) -> torch.Tensor | None:
         """``query``'s rows (the last rows of ``key``), each exactly as its own one-row decode step computes
         it (over the whole past, or the last ``window`` keys), in one call; None where this attention
-        cannot (the caller then makes one call per row)."""
+        cannot (the caller then makes one call per row). ``kwargs``: the layer's other attention arguments."""
         ...
 
 
@@ -129,7 +129,7 @@ class Float32SDPA:
                                               float32_mask(attention_mask), **kwargs)
         return out.to(query.dtype), weights
 
-    def decode_rows(self, module, query, key, value, *, window, scaling):
+    def decode_rows(self, module, query, key, value, *, window, scaling, **kwargs):
         return None  # SDPA's bits depend on the row count: one call per row (speculative.exact_rows)
 
 

@@ -58,7 +58,7 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     window = attention.layer_window(module, sliding_window)
     owned = attention.owned_attention(module, query)
     rows_at_once = None if owned is None else owned.decode_rows(module, query, key, value, window=window,
-                                                                scaling=scaling)
+                                                                scaling=scaling, **kwargs)
     if rows_at_once is not None:  # an attention whose rows are computed alone (kvboost's kernel)
         return rows_at_once, None
     kwargs.pop("is_causal", None)

@@ -105,6 +105,9 @@ def test_keys_a_row_may_not_read_are_skipped_not_added(built):
         assert torch.equal(ops.attention(q, k, v, additive, scale=0.3), alone)
     k[:, :, :13] = float("nan")  # what a skipped key holds does not matter
     assert torch.equal(ops.attention(q, k, v, hidden, scale=0.3), alone)
+    assert torch.equal(ops.attention(q, k, v, torch.zeros(1, 1, 1, 40).masked_fill(~hidden, float("-inf")), scale=0.3),
+                       alone)
+    assert ops.attention(q, k, v, scale=0.3).isnan().all()  # a key the row reads holds NaN: NaN, as SDPA
     # a row that may read nothing (a padding row) gives zeros
     assert torch.equal(ops.attention(q, k, v, torch.zeros_like(hidden), scale=0.3), torch.zeros(1, 1, 2, 32))
 
@@ -149,6 +152,11 @@ def test_bad_inputs_say_what_to_change(built):
         ops.attention(q, k[:, :, :2], v[:, :, :2], causal=True)
     with pytest.raises(RuntimeError, match="key and value must be"):
         ops.attention(q, k, v[..., :8])
+    with pytest.raises(RuntimeError, match="mask must be bool"):  # a 0/1 keep-mask is not added to scores
+        ops.attention(q, k, v, torch.ones(1, 1, 3, 10, dtype=torch.uint8))
+    q.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        ops.attention(q, k, v, causal=True).sum().backward()
 
 
 def test_the_op_traces_under_torch_compile(built):
@@ -191,4 +199,4 @@ def test_kernel_attention_follows_sdpa_semantics(built):
         attend(layer, q, k, v, None, dropout=0.1)
     with pytest.raises(ValueError, match="softcap"):
         attend(layer, q, k, v, None, softcap=30.0)
-    assert attend.applies(q) and not attend.applies(q.to("meta"))
+    assert attend.applies(q) and not attend.applies(q.to("meta")) and not attend.applies(q.double())

@@ -58,8 +58,15 @@ def test_bad_inputs_say_what_to_change(built):
         ops.rms_norm(x, torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         ops.rms_norm(x.double(), torch.ones(8), 1e-6)
-    torch.library.opcheck(torch.ops.kvboost.rms_norm.default, (x, torch.ones(8), 1e-6),
-                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        ops.rms_norm(x.requires_grad_(True), torch.ones(8), 1e-6).sum().backward()
+    strided = torch.randn(7, 4, 33).transpose(0, 1)  # the result is contiguous, its fake too
+    for args in ((x.detach(), torch.ones(8), 1e-6), (strided, torch.ones(33), 1e-6)):
+        torch.library.opcheck(torch.ops.kvboost.rms_norm.default, args, test_utils=("test_schema", "test_faketensor"))
+    f = lambda x: ops.rms_norm(x, torch.ones(33), 1e-6) * 2  # noqa: E731
+    assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(strided), f(strided))
+    norm = KernelRMSNorm(torch.ones(8), 1e-6)  # float64 (no kernel path): computed as FusedRMSNorm does
+    assert torch.equal(norm(x.detach().double()), FusedRMSNorm.forward(norm, x.detach().double()))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
