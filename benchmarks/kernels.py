@@ -190,8 +190,8 @@ def switch_extras(model, on, norms: dict) -> None:
             saved["groups"].setdefault(module, module.group)
             module.group = saved["groups"][module] if on else None
         if module is not model and (module in saved["attention"] or getattr(module, OWNED_ATTR, None) is not None):
-            saved["attention"].setdefault(module, getattr(module, OWNED_ATTR))
-            setattr(module, OWNED_ATTR, (saved["attention"][module] if on is True else on) if on else None)
+            loaded_with = saved["attention"].setdefault(module, getattr(module, OWNED_ATTR))
+            setattr(module, OWNED_ATTR, loaded_with if on is True else (on or None))
 
 
 def worker(reps: int) -> dict:

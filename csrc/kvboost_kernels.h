@@ -45,7 +45,12 @@ struct KvbAttention {
   float* out;
 };
 
-// A thread's scratch: 2 * (dim rounded up to 16) + 16 + keys floats.
+// Floats of scratch one thread of an attention call needs: the query and the output accumulator,
+// each padded to whole 16-lane vectors, a 16-float tail buffer, and one score per key
+// (attention_body.inc carves it in that order). Static: every translation unit has its own copy.
+static inline int64_t kvb_attention_scratch(int64_t dim, int64_t keys) {
+  return 2 * ((dim + 15) / 16 * 16) + 16 + keys;
+}
 
 #define KVB_DECLARE_ISA(ns)                                                                          \
   namespace ns {                                                                                     \

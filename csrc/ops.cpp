@@ -257,7 +257,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const int64_t level = get_level();
   const int64_t per_row = std::max<int64_t>(1, keys * dim);
   const int64_t grain = std::max<int64_t>(1, 32768 / per_row);  // rows small enough stay on one thread
-  const int64_t scratch = 2 * ((dim + 15) / 16 * 16) + 16 + keys;
+  const int64_t scratch = kvb_attention_scratch(dim, keys);
   at::parallel_for(0, batch * heads * rows, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> buffer(scratch);
     KVB_BY_LEVEL(level, attention_rows, a, t0, t1, buffer.data());

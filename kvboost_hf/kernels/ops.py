@@ -33,6 +33,7 @@ def loaded() -> bool:
     with _register_lock:  # fake kernels may be registered once only
         if not _registered:
             _register_fakes()
+            _register_no_backward()
             select_isa(None)
             _registered = True
     return True
@@ -136,10 +137,14 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::dense_linear")(lambda x, w, n: fake(x, n))
     torch.library.register_fake("kvboost::linear")(lambda x, w: fake(x, w.shape[0]))
     torch.library.register_fake("kvboost::rms_norm")(lambda x, scale, eps: x.new_empty(x.shape))  # contiguous
-    for name in ("kvboost::attention", "kvboost::rms_norm"):  # a clear error, not silently missing gradients
-        torch.library.register_autograd(name, _no_backward(name), setup_context=lambda ctx, inputs, output: None)
     torch.library.register_fake("kvboost::attention")(
         lambda q, k, v, mask, scale, causal, window: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])))
+
+
+def _register_no_backward() -> None:
+    """A backward through the attention and norm ops raises, rather than leaving gradients silently None."""
+    for name in ("kvboost::attention", "kvboost::rms_norm"):
+        torch.library.register_autograd(name, _no_backward(name), setup_context=lambda ctx, inputs, output: None)
 
 
 def _no_backward(name: str):

@@ -11,12 +11,12 @@ Gemma-3-270M hidden state), and greedy tokens flipped in 3 of 12 benchmark reque
 So on such a target every forward after the prompt prefill (a verification, or a plain step of
 the assisted loop) routes ``kvboost_sdpa`` to :func:`row_exact_attention`: one call for all rows
 where the layer's own attention computes rows alone (``OwnedAttention.decode_rows``: kvboost_hf's
-attention kernel), else one stock SDPA call per query row, over exactly the keys a decode step of that row sees (the whole past, or the last
-``sliding_window`` on a sliding layer), with the mask the decode step passes (none, or an
-all-True one once a sliding window is full: :func:`kvboost_hf.models.attention.decode_step_mask`). The
-LM head's rows are made exact separately (:mod:`.verify_head`). Float targets keep the batched
-call: their float matmuls differ by row count anyway (~1e-6, a near-tie caveat shared with
-transformers' own assisted decoding).
+attention kernel), else one stock SDPA call per query row, over exactly the keys a decode step of
+that row sees (the whole past, or the last ``sliding_window`` on a sliding layer), with the mask
+the decode step passes (none, or an all-True one once a sliding window is full:
+:func:`kvboost_hf.models.attention.decode_step_mask`). The LM head's rows are made exact separately
+(:mod:`.verify_head`). Float targets keep the batched call: their float matmuls differ by row count
+anyway (~1e-6, a near-tie caveat shared with transformers' own assisted decoding).
 """
 
 from __future__ import annotations

@@ -96,8 +96,9 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
         draft.config.final_logit_softcapping = None  # applied inside DraftHead, before the -inf fill
     draft.config.tie_word_embeddings = False
     compute_in(draft, compute_dtype)
-    fuse_norms(draft, compute_dtype, cpu_norm() if _device_of(model).type == "cpu" else FusedRMSNorm)
-    owned = cpu_attention(compute_dtype) if _device_of(model).type == "cpu" else None
+    on_cpu = _device_of(model).type == "cpu"
+    fuse_norms(draft, compute_dtype, cpu_norm() if on_cpu else FusedRMSNorm)
+    owned = cpu_attention(compute_dtype) if on_cpu else None
     if owned is not None:  # a draft's numerics are ours: the kernel's attention, or float32 SDPA
         own_attention(draft, owned)
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
