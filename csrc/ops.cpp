@@ -9,11 +9,9 @@
 #include <atomic>
 #include <vector>
 
-#include "kvboost_kernels.h"
+#include "ops.h"
 
 namespace {
-
-enum Level : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 int64_t host_level() {
   __builtin_cpu_init();
@@ -25,12 +23,6 @@ int64_t host_level() {
 }
 
 std::atomic<int64_t> g_level{host_level()};
-
-// Calls fn of the path for `level` (AVX-512 BF16 runs the AVX-512 kernels except where ops say otherwise).
-#define KVB_BY_LEVEL(level, fn, ...)      \
-  ((level) >= kAvx512 ? kvb_avx512::fn(__VA_ARGS__) \
-   : (level) == kAvx2 ? kvb_avx2::fn(__VA_ARGS__)   \
-                      : kvb_scalar::fn(__VA_ARGS__))
 
 // Selects the ISA path: the wanted level, lowered to what this CPU has. Returns the level in effect.
 int64_t set_level(int64_t wanted) {
@@ -293,6 +285,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
 }
 
 }  // namespace
+
+int64_t kvb_level() { return get_level(); }
+
+at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) { return rms_norm(x, scale, eps); }
 
 TORCH_LIBRARY(kvboost, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, int n) -> Tensor");

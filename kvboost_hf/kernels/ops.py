@@ -140,10 +140,18 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::attention")(
         lambda q, k, v, mask, scale, causal, window: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])))
 
+    def attention_inputs(hidden, norm, eps, qweights, sides, outs, groups, biases, q_norm, k_norm, head_eps, cos,
+                         sin, head_dim):
+        batch, rows = hidden.shape[:2]
+        return tuple(hidden.new_empty((batch, out // head_dim, rows, head_dim)) for out in outs)
+
+    torch.library.register_fake("kvboost::layer_attention_inputs")(attention_inputs)
+    torch.library.register_fake("kvboost::layer_output")(lambda residual, attn, *args: residual.new_empty(residual.shape))
+
 
 def _register_no_backward() -> None:
     """A backward through the attention and norm ops raises, rather than leaving gradients silently None."""
-    for name in ("kvboost::attention", "kvboost::rms_norm"):
+    for name in ("kvboost::attention", "kvboost::rms_norm", "kvboost::layer_attention_inputs", "kvboost::layer_output"):
         torch.library.register_autograd(name, _no_backward(name), setup_context=lambda ctx, inputs, output: None)
 
 

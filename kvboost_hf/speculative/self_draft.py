@@ -24,6 +24,7 @@ from torch import nn
 
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
 from kvboost_hf.kernels.attention import cpu_attention
+from kvboost_hf.kernels.layer import fuse_layers
 from kvboost_hf.kernels.norm import cpu_norm
 from kvboost_hf.models.attention import own_attention
 from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms
@@ -101,6 +102,8 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     owned = cpu_attention(compute_dtype) if on_cpu else None
     if owned is not None:  # a draft's numerics are ours: the kernel's attention, or float32 SDPA
         own_attention(draft, owned)
+    if on_cpu:
+        fuse_layers(draft)  # int4 layers on kvboost_hf's kernel: two op calls a layer, the same bits
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
                         + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
     draft.eval()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvboost_hf.streaming.kernel import Int4Kernel, TorchInt4
+from kvboost_hf.streaming.kernel import Int4Kernel, KvboostInt4, TorchInt4
 
 
 class AWQInt4Linear(nn.Module):
@@ -48,6 +48,12 @@ class AWQInt4Linear(nn.Module):
         if packed is not None:
             self.register_buffer("int4_weight", packed)
         self.register_buffer("int4_scales_zeros", scales_zeros)
+
+    def kernel_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(packed, side)``: the weight this linear computes with now, where that is kvboost_hf's int4 kernel
+        (for :mod:`kvboost_hf.kernels.layer`, which then computes it as :meth:`forward` does); else None."""
+        packed = self.staged_weight if self.streamed else self.int4_weight
+        return None if packed is None or not isinstance(self.kernel, KvboostInt4) else (packed, self.int4_scales_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.staged_weight if self.streamed else self.int4_weight

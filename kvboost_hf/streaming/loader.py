@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvboost_hf.kernels import KernelLinear
+from kvboost_hf.kernels.layer import fuse_layers
 from kvboost_hf.kernels.attention import KernelAttention
 from kvboost_hf.kernels.norm import KernelRMSNorm
 from kvboost_hf.models.attention import own_attention
@@ -237,6 +238,7 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         fuse_projections(model)  # exact on this kernel: columns are computed independently
         fuse_norms(_text_stack(model), model.dtype, KernelRMSNorm)  # one op call each for HF's 6-8 small ops
         own_attention(model, KernelAttention())  # rows computed alone; bf16 SDPA is slow for a decode row
+        fuse_layers(model)  # the same bits in two op calls a layer, where its modules allow
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()

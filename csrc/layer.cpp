@@ -1,0 +1,242 @@
+// The two halves of a decoder layer of an int4 model on kvboost_hf's kernels, one op call each:
+// `layer_attention_inputs` (input RMSNorm, q/k/v projections, q/k head norms, RoPE) and `layer_output`
+// (o projection, the branch norms and residual adds, the gated MLP). On a CPU decode step a layer's ~40
+// small ATen ops and module calls cost more than its arithmetic; here they are C++ calls.
+//
+// The contract: each op computes exactly the bits the layer's modules compute one after another
+// (AWQInt4Linear on the kvboost int4 kernel, KernelRMSNorm, transformers' RoPE and activation), so a
+// model gives the same outputs with or without them: the same kernels over the same rows, the int4
+// results rounded to bf16 and then to the model's dtype as AWQInt4Linear does, torch's own ops for the
+// activation, product and residual adds, and RoPE rounded after each product and the sum, as torch's
+// elementwise ops on the model's dtype round.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// One int4 linear in the kernels' layout (kvboost_kernels.h); side is AWQInt4Linear's [2, NB, K/G, 16].
+struct Int4Proj {
+  at::Tensor q, scales, zeros;
+  int64_t group, out;
+};
+
+Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int64_t group, int64_t k) {
+  TORCH_CHECK(q.device().is_cpu() && q.is_contiguous() && q.scalar_type() == at::kByte && q.dim() == 3 &&
+                  q.size(1) == k && q.size(2) == 8,
+              "an int4 weight must be a contiguous uint8 [blocks, ", k, ", 8] CPU tensor, got ", q.sizes());
+  TORCH_CHECK(group > 0 && k % group == 0, "group_size ", group, " must divide in_features ", k);
+  TORCH_CHECK(side.scalar_type() == at::kFloat && side.dim() == 4 && side.size(0) == 2 && side.size(1) == q.size(0) &&
+                  side.size(2) == k / group && side.size(3) == 16,
+              "scales/zeros must be float32 [2, ", q.size(0), ", ", k / group, ", 16], got ", side.sizes());
+  TORCH_CHECK(out > 0 && out <= 16 * q.size(0), "out_features must be in 1..", 16 * q.size(0), ", got ", out);
+  return {q, side.select(0, 0).contiguous(), side.select(0, 1).contiguous(), group, out};
+}
+
+// x [M, K] through projections sharing K and group size, each column as torch.ops.kvboost.int4_linear
+// computes it (columns are independent: which projections share a call changes no bit). Returns
+// float [M, sum of 16 * blocks], projection i from column offsets[i]; threads over all their blocks.
+at::Tensor int4_columns(const at::Tensor& x, const std::vector<Int4Proj>& ps, std::vector<int64_t>& offsets) {
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // AWQ linears take bf16 activations
+  const int64_t m = xb.size(0), k = xb.size(1), group = ps[0].group;
+  std::vector<int64_t> starts{0};
+  offsets.clear();
+  for (const Int4Proj& p : ps) {
+    TORCH_CHECK(p.group == group, "projections computed together must share a group size");
+    offsets.push_back(16 * starts.back());
+    starts.push_back(starts.back() + p.q.size(0));
+  }
+  const int64_t blocks = starts.back(), ldo = 16 * blocks;
+  at::Tensor out = at::empty({m, ldo}, xb.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const int64_t level = kvb_level();
+  const bool bf16 = level == kAvx512Bf16;
+  const at::Tensor xf = bf16 ? xb : xb.to(at::kFloat);
+  std::vector<float> xs(bf16 ? m * (k / group) : 0);
+  if (bf16) kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xb.data_ptr()), m, k, group, xs.data());
+  at::parallel_for(0, blocks, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint32_t> strip32(bf16 && m > 4 ? k * 8 : 0);
+    std::vector<float> strip(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
+      if (b0 >= b1) continue;
+      const uint8_t* qp = ps[i].q.data_ptr<uint8_t>();
+      const float* sp = ps[i].scales.data_ptr<float>();
+      const float* zp = ps[i].zeros.data_ptr<float>();
+      if (bf16)
+        kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xb.data_ptr()), m, k, qp, sp, zp, group,
+                                    xs.data(), b0, b1, op + offsets[i], ldo, strip32.data());
+      else
+        KVB_BY_LEVEL(level, int4_blocks, xf.data_ptr<float>(), m, k, qp, sp, zp, group, b0, b1, op + offsets[i], ldo,
+                     strip.data());
+    }
+  });
+  return out;
+}
+
+// Projection i's output as AWQInt4Linear returns it: rounded to bf16, then to `dtype`, plus its bias.
+at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj& p, const std::optional<at::Tensor>& bias,
+                      at::ScalarType dtype, at::IntArrayRef lead) {
+  at::Tensor y = columns.narrow(1, offset, p.out).to(at::kBFloat16).to(dtype);
+  std::vector<int64_t> shape(lead.begin(), lead.end());
+  shape.push_back(p.out);
+  y = y.reshape(shape);
+  return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
+}
+
+std::vector<Int4Proj> int4_projs(at::TensorList qs, at::TensorList sides, at::IntArrayRef outs, at::IntArrayRef groups,
+                                 size_t first, size_t count, int64_t k) {
+  std::vector<Int4Proj> ps;
+  for (size_t i = first; i < first + count; ++i) ps.push_back(int4_proj(qs[i], sides[i], outs[i], groups[i], k));
+  return ps;
+}
+
+void check_lists(at::TensorList qs, at::TensorList sides, at::IntArrayRef outs, at::IntArrayRef groups,
+                 const c10::List<std::optional<at::Tensor>>& biases, size_t count) {
+  TORCH_CHECK(qs.size() == count && sides.size() == count && outs.size() == count && groups.size() == count &&
+                  biases.size() == count,
+              "expected ", count, " projections (weights, sides, outs, groups, biases)");
+}
+
+template <class T>
+inline float widen(T v) {
+  return static_cast<float>(v);
+}
+template <class T>
+inline T narrow_to(float v) {
+  return static_cast<T>(v);  // c10::BFloat16: round to nearest even, as torch's ops
+}
+
+// transformers' apply_rotary_pos_emb on x [B, H, M, D] (contiguous): x * cos + rotate_half(x) * sin, cos and
+// sin [B or 1, M, D]; each product and the sum rounded to T, the order torch's three ops give.
+template <class T>
+void rope_rows(const T* x, const T* cos, const T* sin, int64_t cb, int64_t cm, int64_t batch, int64_t heads, int64_t rows,
+               int64_t dim, T* out) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, batch * heads * rows, std::max<int64_t>(1, 16384 / dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (heads * rows), i = r % rows;
+      const T* xr = x + r * dim;
+      const T* c = cos + b * cb + i * cm;
+      const T* s = sin + b * cb + i * cm;
+      T* o = out + r * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float rotated = d < half ? -widen(xr[d + half]) : widen(xr[d - half]);
+        const T a = narrow_to<T>(widen(xr[d]) * widen(c[d]));
+        const T e = narrow_to<T>(rotated * widen(s[d]));
+        o[d] = narrow_to<T>(widen(a) + widen(e));
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t batch = xc.size(0), heads = xc.size(1), rows = xc.size(2), dim = xc.size(3);
+  TORCH_CHECK(dim % 2 == 0, "RoPE needs an even head_dim, got ", dim);
+  const at::Tensor c = cos.expand({batch, rows, dim}), s = sin.expand({batch, rows, dim});
+  TORCH_CHECK(c.stride(2) == 1 && s.stride(2) == 1 && c.strides() == s.strides(),
+              "cos and sin must have one layout, contiguous in the last dimension");
+  at::Tensor out = at::empty_like(xc);
+  if (xc.scalar_type() == at::kBFloat16)
+    rope_rows(xc.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), c.stride(0),
+              c.stride(1), batch, heads, rows, dim, out.data_ptr<c10::BFloat16>());
+  else
+    rope_rows(xc.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), c.stride(0), c.stride(1), batch, heads,
+              rows, dim, out.data_ptr<float>());
+  return out;
+}
+
+// hidden [B, M, E] -> (q [B, H, M, D], k and v [B, Hkv, M, D]), contiguous: input norm, the q/k/v int4
+// projections (qweights etc. list q, k, v), the optional per-head norms, RoPE with cos/sin [B or 1, M, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_attention_inputs(
+    const at::Tensor& hidden, const at::Tensor& norm, double eps, at::TensorList qweights, at::TensorList sides,
+    at::IntArrayRef outs, at::IntArrayRef groups, const c10::List<std::optional<at::Tensor>>& biases,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double head_eps,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
+  const at::ScalarType dtype = hidden.scalar_type();
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 3 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "hidden must be a bfloat16 or float32 CPU tensor [batch, rows, hidden], got ", hidden.sizes());
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "cos and sin must be ", dtype);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both head norms or neither");
+  check_lists(qweights, sides, outs, groups, biases, 3);
+  const int64_t batch = hidden.size(0), rows = hidden.size(1), width = hidden.size(2);
+  const std::vector<Int4Proj> ps = int4_projs(qweights, sides, outs, groups, 0, 3, width);
+  TORCH_CHECK(head_dim > 0 && outs[0] % head_dim == 0 && outs[1] % head_dim == 0 && outs[2] == outs[1],
+              "q/k/v widths must be multiples of head_dim ", head_dim, ", k and v alike");
+  std::vector<int64_t> offsets;
+  const at::Tensor columns = int4_columns(kvb_rms_norm(hidden, norm, eps).reshape({-1, width}), ps, offsets);
+  at::Tensor qkv[3];
+  for (int i = 0; i < 3; ++i)
+    qkv[i] = projection(columns, offsets[i], ps[i], biases.get(i), dtype, {batch, rows})
+                 .view({batch, rows, -1, head_dim})
+                 .transpose(1, 2);
+  if (q_norm.has_value()) {
+    qkv[0] = kvb_rms_norm(qkv[0], *q_norm, head_eps);
+    qkv[1] = kvb_rms_norm(qkv[1], *k_norm, head_eps);
+  }
+  return {rope(qkv[0], cos, sin), rope(qkv[1], cos, sin), qkv[2].contiguous()};
+}
+
+// The rest of the layer: attn [B, M, H, D] through o_proj (qweights etc. list o, gate, up, down), the
+// optional post-attention norm, the residual add, the feed-forward norm, act(gate) * up, down_proj, the
+// optional post-feed-forward norm and the second residual add. Returns [B, M, E] in residual's dtype.
+at::Tensor layer_output(const at::Tensor& residual, const at::Tensor& attn, at::TensorList qweights,
+                        at::TensorList sides, at::IntArrayRef outs, at::IntArrayRef groups,
+                        const c10::List<std::optional<at::Tensor>>& biases,
+                        const std::optional<at::Tensor>& post_attention_norm, const at::Tensor& ffn_norm,
+                        const std::optional<at::Tensor>& post_ffn_norm, double eps, c10::string_view activation) {
+  const at::ScalarType dtype = residual.scalar_type();
+  TORCH_CHECK(residual.device().is_cpu() && residual.dim() == 3 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "residual must be a bfloat16 or float32 CPU tensor [batch, rows, hidden], got ", residual.sizes());
+  TORCH_CHECK(attn.dim() == 4 && attn.size(0) == residual.size(0) && attn.size(1) == residual.size(1) &&
+                  attn.scalar_type() == dtype,
+              "attn must be [batch, rows, heads, head_dim] in the residual's dtype, got ", attn.sizes());
+  const std::string act(activation);
+  TORCH_CHECK(act == "gelu_tanh" || act == "gelu" || act == "silu", "activation must be gelu_tanh, gelu or silu");
+  check_lists(qweights, sides, outs, groups, biases, 4);
+  const int64_t batch = residual.size(0), rows = residual.size(1), width = residual.size(2);
+  const at::Tensor a = attn.reshape({batch * rows, -1}).contiguous();
+  std::vector<int64_t> offsets;
+  const std::vector<Int4Proj> o = int4_projs(qweights, sides, outs, groups, 0, 1, a.size(1));
+  const at::Tensor o_columns = int4_columns(a, o, offsets);  // (fills offsets: not inside the call below)
+  at::Tensor branch = projection(o_columns, offsets[0], o[0], biases.get(0), dtype, {batch, rows});
+  if (post_attention_norm.has_value()) branch = kvb_rms_norm(branch, *post_attention_norm, eps);
+  const at::Tensor h = at::add(residual, branch);
+  const std::vector<Int4Proj> gate_up = int4_projs(qweights, sides, outs, groups, 1, 2, width);
+  const at::Tensor columns = int4_columns(kvb_rms_norm(h, ffn_norm, eps).reshape({-1, width}), gate_up, offsets);
+  const at::Tensor gate = projection(columns, offsets[0], gate_up[0], biases.get(1), dtype, {batch, rows});
+  const at::Tensor up = projection(columns, offsets[1], gate_up[1], biases.get(2), dtype, {batch, rows});
+  const at::Tensor gated = act == "silu" ? at::silu(gate) : at::gelu(gate, act == "gelu_tanh" ? "tanh" : "none");
+  const at::Tensor product = at::mul(gated, up).reshape({batch * rows, -1});
+  const std::vector<Int4Proj> down = int4_projs(qweights, sides, outs, groups, 3, 1, product.size(1));
+  const at::Tensor down_columns = int4_columns(product, down, offsets);
+  at::Tensor ffn = projection(down_columns, offsets[0], down[0], biases.get(3), dtype, {batch, rows});
+  if (post_ffn_norm.has_value()) ffn = kvb_rms_norm(ffn, *post_ffn_norm, eps);
+  return at::add(h, ffn);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvboost, m) {
+  m.def(
+      "layer_attention_inputs(Tensor hidden, Tensor norm, float eps, Tensor[] qweights, Tensor[] sides, int[] outs, "
+      "int[] groups, Tensor?[] biases, Tensor? q_norm, Tensor? k_norm, float head_eps, Tensor cos, Tensor sin, "
+      "int head_dim) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_output(Tensor residual, Tensor attn, Tensor[] qweights, Tensor[] sides, int[] outs, int[] groups, "
+      "Tensor?[] biases, Tensor? post_attention_norm, Tensor ffn_norm, Tensor? post_ffn_norm, float eps, "
+      "str activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
+  m.impl("layer_attention_inputs", &layer_attention_inputs);
+  m.impl("layer_output", &layer_output);
+}

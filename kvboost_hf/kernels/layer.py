@@ -1,0 +1,211 @@
+"""``fuse_layers``: the decoder layers of a model on kvboost_hf's int4 kernels, two C++ op calls each.
+
+A CPU decode step of a small int4 model spends more time calling ops than computing: Gemma-3-270M's
+18 layers make ~40 small ATen ops and module calls each (norms, projections, views, RoPE's six ops,
+residual adds), ~0.5 ms a layer against ~0.2 ms of int4 arithmetic. A fused layer computes what comes
+before attention (``torch.ops.kvboost.layer_attention_inputs``) and what comes after it
+(``torch.ops.kvboost.layer_output``) in one call each; the cache update and the attention function stay
+in Python, as transformers calls them, so every cache and every attention route (a packed batch, a
+row-exact verification, a scattered repair) works unchanged.
+
+Exact: the ops compute the bits the layer's modules compute (``csrc/layer.cpp``): same kernels, same
+roundings. A layer is fused only where every module it bypasses is one whose computation the ops
+reproduce (:class:`~kvboost_hf.kernels.norm.KernelRMSNorm` norms, int4 linears on kvboost_hf's kernel
+that say so through ``kernel_blocks()``, a known activation) and has no hooks; anything else, checked
+on every call, runs the layer's own forward (a LoRA-wrapped projection, a training model, output
+capture of attention weights, a model under ``torch.compile``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvboost_hf.kernels import ops
+from kvboost_hf.kernels.norm import KernelRMSNorm
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class LayerForm:
+    """How a decoder-layer class arranges its norms. ``sandwich``: Gemma's norms on the branch outputs
+    (post-attention, pre- and post-feed-forward); else Llama's (``post_attention_layernorm`` before the MLP)."""
+
+    sandwich: bool
+
+
+FORMS = {  # layer classes whose forward (transformers 5.x) the ops reproduce, read line by line
+    "Gemma3DecoderLayer": LayerForm(sandwich=True),
+    "LlamaDecoderLayer": LayerForm(sandwich=False),
+    "MistralDecoderLayer": LayerForm(sandwich=False),
+    "Qwen2DecoderLayer": LayerForm(sandwich=False),
+    "Qwen3DecoderLayer": LayerForm(sandwich=False),
+}
+_NORMS = {True: ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+          False: ("input_layernorm", None, "post_attention_layernorm", None)}
+
+
+def activation_name(act: nn.Module) -> str | None:
+    """The op's name for an MLP activation it computes as torch does (``gelu_tanh``, ``gelu``, ``silu``), else None."""
+    if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    inner = getattr(act, "act", None)  # transformers' GELUTanh: functools.partial(F.gelu, approximate="tanh")
+    if (type(act).__name__ == "GELUTanh" and isinstance(inner, functools.partial)
+            and inner.func is nn.functional.gelu and inner.keywords == {"approximate": "tanh"} and not inner.args):
+        return "gelu_tanh"
+    return None
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _int4(module: nn.Module):
+    blocks = getattr(module, "kernel_blocks", None)
+    return blocks() if callable(blocks) else None
+
+
+def _scale(norm: nn.Module | None):
+    return norm.scale if type(norm) is KernelRMSNorm and not _hooked(norm) else None
+
+
+@dataclass
+class LayerArguments:
+    """What the two ops take for one layer, read off its modules for this call."""
+
+    qweights: list
+    sides: list
+    outs: list
+    groups: list
+    biases: list
+    norms: list  # input, post-attention (or None), feed-forward, post-feed-forward (or None)
+    eps: float
+    head_norms: tuple | None  # (q scale, k scale, eps)
+    activation: str
+
+
+def layer_arguments(layer: nn.Module) -> LayerArguments | None:
+    """The ops' arguments for ``layer`` as it stands now, or None where the ops would not reproduce it."""
+    form = FORMS.get(_base_name(layer))
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if form is None or attn is None or mlp is None or layer.training or _hooked(attn) or _hooked(mlp):
+        return None
+    activation = activation_name(getattr(mlp, "act_fn", None))
+    if activation is None or _hooked(mlp.act_fn):
+        return None
+    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    qweights, sides, outs, groups, biases = [], [], [], [], []
+    for p in projections:
+        blocks = _int4(p) if p is not None and not _hooked(p) else None
+        if blocks is None:
+            return None
+        qweights.append(blocks[0])
+        sides.append(blocks[1])
+        outs.append(p.out_features)
+        groups.append(p.group_size)
+        biases.append(p.bias)
+    modules = [getattr(layer, n) if n else None for n in _NORMS[form.sandwich]]
+    norms = [_scale(m) if m is not None else None for m in modules]
+    if norms[0] is None or norms[2] is None or (form.sandwich and (norms[1] is None or norms[3] is None)):
+        return None
+    eps = {m.eps for m in modules if m is not None}
+    head_norms = None
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        q, k = _scale(getattr(attn, "q_norm", None)), _scale(getattr(attn, "k_norm", None))
+        if q is None or k is None or attn.q_norm.eps != attn.k_norm.eps:
+            return None
+        head_norms = (q, k, attn.q_norm.eps)
+    if len(eps) != 1 or groups[1:3] != groups[:1] * 2 or groups[4] != groups[5]:
+        return None
+    return LayerArguments(qweights, sides, outs, groups, biases, norms, eps.pop(), head_norms, activation)
+
+
+def _base_name(layer: nn.Module) -> str:
+    cls = type(layer)
+    return cls.__bases__[-1].__name__ if issubclass(cls, KernelLayerMixin) else cls.__name__
+
+
+class KernelLayerMixin:
+    """The forward of a fused decoder layer (mixed into the layer's own class by :func:`fuse_layers`)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        plan = None if args else self._kernel_plan(hidden_states, kwargs)
+        if plan is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        a, attn = plan, self.self_attn
+        position_embeddings = kwargs.pop("position_embeddings")
+        attention_mask = kwargs.pop("attention_mask", None)
+        past_key_values = kwargs.pop("past_key_values", None)
+        kwargs["position_ids"] = kwargs.get("position_ids")
+        cos, sin = position_embeddings
+        q_norm, k_norm, head_eps = a.head_norms or (None, None, 0.0)
+        q, k, v = torch.ops.kvboost.layer_attention_inputs(
+            hidden_states, a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3], a.groups[:3], a.biases[:3],
+            q_norm, k_norm, head_eps, cos, sin, attn.head_dim)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        interface = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+        if hasattr(attn, "sliding_window"):  # the layers that pass it (Gemma3, Qwen2/3) do
+            kwargs["sliding_window"] = attn.sliding_window
+        out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        return torch.ops.kvboost.layer_output(
+            hidden_states, out, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:], a.biases[3:], a.norms[1],
+            a.norms[2], a.norms[3], a.eps, a.activation)
+
+    def _kernel_plan(self, hidden_states: torch.Tensor, kwargs: dict) -> LayerArguments | None:
+        embeddings = kwargs.get("position_embeddings")
+        if (embeddings is None or hidden_states.device.type != "cpu" or hidden_states.dim() != 3
+                or hidden_states.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling()
+                or torch.is_grad_enabled() and hidden_states.requires_grad
+                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or getattr(self.self_attn.config, "_attn_implementation", None) not in ALL_ATTENTION_FUNCTIONS):
+            return None
+        cos, sin = embeddings
+        head_dim = getattr(self.self_attn, "head_dim", None)
+        if cos.dtype != hidden_states.dtype or sin.dtype != hidden_states.dtype or cos.shape[-1] != head_dim:
+            return None
+        return layer_arguments(self)
+
+
+@functools.cache
+def _fused_class(cls: type) -> type:
+    # The same name: transformers matches layers by class name (_no_split_modules, device maps).
+    return type(cls.__name__, (KernelLayerMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def fuse_layers(model: nn.Module) -> int:
+    """Make the decoder layers of ``model`` that :data:`FORMS` knows compute through the two layer ops where
+    :func:`layer_arguments` finds them reproducible (checked on every call); returns how many. For models
+    whose numerics kvboost_hf owns (int4 on its kernels): nothing changes but speed."""
+    if not ops.loaded():
+        return 0
+    fused = 0
+    for module in model.modules():
+        if type(module).__name__ in FORMS and not isinstance(module, KernelLayerMixin):
+            module.__class__ = _fused_class(type(module))
+            fused += 1
+        elif isinstance(module, KernelLayerMixin):
+            fused += 1
+    if fused:
+        logger.info("%s: %d decoder layers on the fused layer ops", type(model).__name__, fused)
+    return fused
+
+
+def unfuse_layers(model: nn.Module) -> int:
+    """Undo :func:`fuse_layers` (the layers' own forward again); returns how many layers changed."""
+    restored = 0
+    for module in model.modules():
+        if isinstance(module, KernelLayerMixin):
+            module.__class__ = type(module).__bases__[-1]
+            restored += 1
+    return restored
