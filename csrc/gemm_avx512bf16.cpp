@@ -5,8 +5,10 @@
 //   (each product exact in fp32, each sum rounded: one vdpbf16ps lane; denormals flushed);
 //   acc = acc + s * (t - z * xs[g])   (each operation rounded), xs[g] = the same pair sum of x alone.
 // Nothing depends on M or on threads, so rows are bit-independent on this path too. Compiled for
-// AVX-512 BF16, called only when the CPU has it.
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+// AVX-512 BF16, called only when the CPU has it; the VBMI decoding below runs only where the CPU has
+// that too (Cooper Lake has BF16 without VBMI). No auto-vectorization (build flags): the compiler emits
+// VBMI instructions only where the intrinsics below ask for them.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
 
 #include "kvboost_kernels.h"
@@ -30,6 +32,34 @@ inline __m512i code_pair(const uint8_t* p, __m512i table) {
   return _mm512_permutexvar_epi16(_mm512_or_si512(lo, hi), table);
 }
 
+// The same code pairs with AVX-512 VBMI, four k-pairs (64 bytes) per load and 4 instructions per pair
+// instead of 6: spread byte j of pair c to the four bytes of lane j, shift the upper word's copy down
+// a nibble, keep one nibble per byte and mark the high-byte indices (+16), then look both bytes of each
+// bf16 up in one 32-entry byte table. The bits are code_pair's: only the decoding differs.
+struct VbmiCodes {
+  __m512i table, shifts, nibble, high, spread[4];
+
+  VbmiCodes() {
+    alignas(64) uint8_t t[64] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x10, 0x20, 0x30, 0x40,
+                                 0x50, 0x60, 0x70, 0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41,
+                                 0x41, 0x41, 0x41, 0x41, 0x41, 0x41};  // low, then high bytes of bf16(0..15)
+    table = _mm512_load_si512(t);
+    shifts = _mm512_set1_epi32(4 << 16);  // the lane's upper word (its odd row's code) down a nibble
+    nibble = _mm512_set1_epi32(0x0F0F0F0F);
+    high = _mm512_set1_epi32(0x10001000);
+    for (int c = 0; c < 4; ++c) {
+      alignas(64) uint8_t idx[64];
+      for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint8_t>(16 * c + j / 4);
+      spread[c] = _mm512_load_si512(idx);
+    }
+  }
+
+  inline __m512i pair(__m512i src, int c) const {
+    const __m512i v = _mm512_srlv_epi16(_mm512_permutexvar_epi8(spread[c], src), shifts);
+    return _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(v, nibble, high, 0xEA), table);  // (v & nibble) | high
+  }
+};
+
 inline __m512i x_pair(const uint16_t* x) {
   int32_t bits;
   __builtin_memcpy(&bits, x, sizeof bits);
@@ -42,11 +72,12 @@ inline __m512 close_group(__m512 acc, __m512 t, __m512 s, __m512 z, float xs) {
   return _mm512_add_ps(acc, _mm512_mul_ps(s, u));
 }
 
-// Few rows: codes decoded in registers, NB blocks' chains at once; the same bits as `tile`.
-template <int MR, int NB>
+// Few rows: codes decoded in registers, NB blocks' chains at once; the same bits as `tile`. VBMI: the
+// codes decoded by VbmiCodes (the group size a multiple of 8).
+template <int MR, int NB, bool VBMI>
 inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t* q, int64_t qstride,
                        const float* scales, const float* zeros, int64_t sstride, int64_t group, const float* xs,
-                       int64_t groups, float* out, int64_t ldo) {
+                       int64_t groups, float* out, int64_t ldo, const VbmiCodes& codes) {
   const __m512i table = code_table();
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
@@ -55,12 +86,27 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
     __m512 t[MR][NB];
     for (int r = 0; r < MR; ++r)
       for (int b = 0; b < NB; ++b) t[r][b] = _mm512_setzero_ps();
-    for (int64_t i = g0; i < g0 + group; i += 2) {
-      __m512i pair[MR];
-      for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i);
-      for (int b = 0; b < NB; ++b) {
-        const __m512bh w = (__m512bh)code_pair(q + b * qstride + 8 * i, table);
-        for (int r = 0; r < MR; ++r) t[r][b] = _mm512_dpbf16_ps(t[r][b], (__m512bh)pair[r], w);
+    if constexpr (VBMI) {
+      for (int64_t i = g0; i < g0 + group; i += 8) {
+        __m512i src[NB];
+        for (int b = 0; b < NB; ++b) src[b] = _mm512_loadu_si512(q + b * qstride + 8 * i);
+        for (int c = 0; c < 4; ++c) {
+          __m512i pair[MR];
+          for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i + 2 * c);
+          for (int b = 0; b < NB; ++b) {
+            const __m512bh w = (__m512bh)codes.pair(src[b], c);
+            for (int r = 0; r < MR; ++r) t[r][b] = _mm512_dpbf16_ps(t[r][b], (__m512bh)pair[r], w);
+          }
+        }
+      }
+    } else {
+      for (int64_t i = g0; i < g0 + group; i += 2) {
+        __m512i pair[MR];
+        for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i);
+        for (int b = 0; b < NB; ++b) {
+          const __m512bh w = (__m512bh)code_pair(q + b * qstride + 8 * i, table);
+          for (int r = 0; r < MR; ++r) t[r][b] = _mm512_dpbf16_ps(t[r][b], (__m512bh)pair[r], w);
+        }
       }
     }
     for (int b = 0; b < NB; ++b) {
@@ -159,30 +205,45 @@ void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* x
   }
 }
 
+template <bool VBMI>
+bool few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_t qstride, const float* sb,
+              const float* zb, int64_t sstride, int64_t group, const float* xs, int64_t groups, float* ob, int64_t ldo,
+              int64_t& b, int64_t b1, const VbmiCodes& codes) {
+  if (m <= 2 && b + 4 <= b1) {
+    if (m == 1)
+      tile_fused<1, 4, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, codes);
+    else
+      tile_fused<2, 4, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, codes);
+    b += 3;
+    return true;
+  }
+  switch (m) {
+    case 1: tile_fused<1, 1, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, codes); break;
+    case 2: tile_fused<2, 1, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, codes); break;
+    case 3: tile_fused<3, 1, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, codes); break;
+    case 4: tile_fused<4, 1, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, codes); break;
+    default: return false;
+  }
+  return true;
+}
+
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  static const VbmiCodes codes;
   const int64_t groups = k / group, qstride = k * 8, sstride = groups * 16;
   const __m512i table = code_table();
+  const bool decode4 = vbmi && group % 8 == 0;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qb = q + b * qstride;
     const float* sb = scales + b * sstride;
     const float* zb = zeros + b * sstride;
     float* ob = out + 16 * b;
-    if (m <= 2 && b + 4 <= b1) {
-      if (m == 1)
-        tile_fused<1, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo);
-      else
-        tile_fused<2, 4>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo);
-      b += 3;
-      continue;
-    }
     if (m <= 4) {
-      switch (m) {
-        case 1: tile_fused<1, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
-        case 2: tile_fused<2, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
-        case 3: tile_fused<3, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
-        default: tile_fused<4, 1>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo); break;
-      }
+      if (decode4)
+        few_rows<true>(x, m, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, b, b1, codes);
+      else
+        few_rows<false>(x, m, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, b, b1, codes);
       continue;
     }
     for (int64_t i = 0; i < k; i += 2) _mm512_storeu_si512(strip + 8 * i, code_pair(qb + 8 * i, table));

@@ -22,10 +22,13 @@
 
 namespace {
 
-// One int4 linear in the kernels' layout (kvboost_kernels.h); side is AWQInt4Linear's [2, NB, K/G, 16].
+// One int4 linear in the kernels' layout (kvboost_kernels.h); side is AWQInt4Linear's [2, NB, K/G, 16] (scales,
+// zeros), each half contiguous (a fused group's member views a slice of the group's).
 struct Int4Proj {
-  at::Tensor q, scales, zeros;
-  int64_t group, out;
+  const uint8_t* q;
+  const float* scales;
+  const float* zeros;
+  int64_t blocks, group, out;
 };
 
 Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int64_t group, int64_t k) {
@@ -33,11 +36,15 @@ Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int
                   q.size(1) == k && q.size(2) == 8,
               "an int4 weight must be a contiguous uint8 [blocks, ", k, ", 8] CPU tensor, got ", q.sizes());
   TORCH_CHECK(group > 0 && k % group == 0, "group_size ", group, " must divide in_features ", k);
-  TORCH_CHECK(side.scalar_type() == at::kFloat && side.dim() == 4 && side.size(0) == 2 && side.size(1) == q.size(0) &&
-                  side.size(2) == k / group && side.size(3) == 16,
-              "scales/zeros must be float32 [2, ", q.size(0), ", ", k / group, ", 16], got ", side.sizes());
-  TORCH_CHECK(out > 0 && out <= 16 * q.size(0), "out_features must be in 1..", 16 * q.size(0), ", got ", out);
-  return {q, side.select(0, 0).contiguous(), side.select(0, 1).contiguous(), group, out};
+  const int64_t blocks = q.size(0);
+  TORCH_CHECK(side.device().is_cpu() && side.scalar_type() == at::kFloat && side.dim() == 4 && side.size(0) == 2 &&
+                  side.size(1) == blocks && side.size(2) == k / group && side.size(3) == 16 && side.stride(3) == 1 &&
+                  side.stride(2) == 16 && side.stride(1) == 16 * (k / group),
+              "scales/zeros must be float32 [2, ", blocks, ", ", k / group, ", 16], each half contiguous, got ",
+              side.sizes());
+  TORCH_CHECK(out > 0 && out <= 16 * blocks, "out_features must be in 1..", 16 * blocks, ", got ", out);
+  const float* s = side.data_ptr<float>();
+  return {q.data_ptr<uint8_t>(), s, s + side.stride(0), blocks, group, out};
 }
 
 // x [M, K] through projections sharing K and group size, each column as torch.ops.kvboost.int4_linear
@@ -51,7 +58,7 @@ at::Tensor int4_columns(const at::Tensor& x, const std::vector<Int4Proj>& ps, st
   for (const Int4Proj& p : ps) {
     TORCH_CHECK(p.group == group, "projections computed together must share a group size");
     offsets.push_back(16 * starts.back());
-    starts.push_back(starts.back() + p.q.size(0));
+    starts.push_back(starts.back() + p.blocks);
   }
   const int64_t blocks = starts.back(), ldo = 16 * blocks;
   at::Tensor out = at::empty({m, ldo}, xb.options().dtype(at::kFloat));
@@ -67,9 +74,9 @@ at::Tensor int4_columns(const at::Tensor& x, const std::vector<Int4Proj>& ps, st
     for (size_t i = 0; i < ps.size(); ++i) {
       const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
       if (b0 >= b1) continue;
-      const uint8_t* qp = ps[i].q.data_ptr<uint8_t>();
-      const float* sp = ps[i].scales.data_ptr<float>();
-      const float* zp = ps[i].zeros.data_ptr<float>();
+      const uint8_t* qp = ps[i].q;
+      const float* sp = ps[i].scales;
+      const float* zp = ps[i].zeros;
       if (bf16)
         kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xb.data_ptr()), m, k, qp, sp, zp, group,
                                     xs.data(), b0, b1, op + offsets[i], ldo, strip32.data());
@@ -84,10 +91,20 @@ at::Tensor int4_columns(const at::Tensor& x, const std::vector<Int4Proj>& ps, st
 // Projection i's output as AWQInt4Linear returns it: rounded to bf16, then to `dtype`, plus its bias.
 at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj& p, const std::optional<at::Tensor>& bias,
                       at::ScalarType dtype, at::IntArrayRef lead) {
-  at::Tensor y = columns.narrow(1, offset, p.out).to(at::kBFloat16).to(dtype);
   std::vector<int64_t> shape(lead.begin(), lead.end());
   shape.push_back(p.out);
-  y = y.reshape(shape);
+  at::Tensor y = at::empty(shape, columns.options().dtype(dtype));
+  const int64_t rows = columns.size(0), ld = columns.size(1);
+  const float* c = columns.data_ptr<float>() + offset;
+  if (dtype == at::kBFloat16) {
+    auto* o = y.data_ptr<c10::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = c10::BFloat16(c[r * ld + j]);
+  } else {
+    float* o = y.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = static_cast<float>(c10::BFloat16(c[r * ld + j]));
+  }
   return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
 }
 

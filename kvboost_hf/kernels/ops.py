@@ -33,7 +33,6 @@ def loaded() -> bool:
     with _register_lock:  # fake kernels may be registered once only
         if not _registered:
             _register_fakes()
-            _register_no_backward()
             select_isa(None)
             _registered = True
     return True
@@ -148,15 +147,3 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::layer_attention_inputs")(attention_inputs)
     torch.library.register_fake("kvboost::layer_output")(lambda residual, attn, *args: residual.new_empty(residual.shape))
 
-
-def _register_no_backward() -> None:
-    """A backward through the attention and norm ops raises, rather than leaving gradients silently None."""
-    for name in ("kvboost::attention", "kvboost::rms_norm", "kvboost::layer_attention_inputs", "kvboost::layer_output"):
-        torch.library.register_autograd(name, _no_backward(name), setup_context=lambda ctx, inputs, output: None)
-
-
-def _no_backward(name: str):
-    def backward(ctx, *grads):
-        raise RuntimeError(f"{name} is inference-only: it has no backward (train with the model's own modules)")
-
-    return backward
