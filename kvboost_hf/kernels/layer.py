@@ -18,8 +18,10 @@ capture of attention weights, a model under ``torch.compile``).
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -180,13 +182,18 @@ class KernelLayerMixin:
         key = _identity(self)
         if key is None or any(m._forward_hooks or m._forward_pre_hooks for m in key[0]):
             return None
-        cached = self.__dict__.get("_kvboost_layer_arguments")
+        cached = _ARGUMENTS.get(self)
         if cached is not None and len(cached[0]) == len(key) and all(
                 len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(cached[0], key)):
             return cached[1]
         arguments = layer_arguments(self)
-        self.__dict__["_kvboost_layer_arguments"] = (key, arguments)
+        _ARGUMENTS[self] = (key, arguments)
         return arguments
+
+    def __reduce_ex__(self, protocol):
+        """Copy and pickle as the layer's own class (as a reuse-enabled model does): loading needs only
+        transformers; :func:`fuse_layers` fuses the copy again."""
+        return copyreg._reconstructor, (type(self).__bases__[-1], object, None), self.__getstate__()
 
 
 def _identity(layer: nn.Module) -> tuple | None:
@@ -198,6 +205,9 @@ def _identity(layer: nn.Module) -> tuple | None:
     tensors = tuple(t for m in modules
                     for t in (*m._buffers.values(), *m._parameters.values(), m.__dict__.get("staged_weight")))
     return modules, tensors, (layer.training, attn.config._attn_implementation)
+
+
+_ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (identities, LayerArguments | None)
 
 
 @functools.cache

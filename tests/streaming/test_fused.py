@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from kvboost_hf import kernels, make_draft
+from kvboost_hf.kernels.layer import fuse_layers, unfuse_layers
 from kvboost_hf.streaming.fused import ProjectionGroup, fuse_projections
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from tests.streaming.conftest import load_awq
@@ -90,6 +92,7 @@ def test_torch_kernel_and_streamed_layers_are_not_fused(tiny_awq, mmap_dir, kern
 def test_a_decode_step_makes_one_call_per_group(tiny_awq, kernels_built, monkeypatch):
     _, path = tiny_awq["gemma3"]
     model = load_awq(path, residency_mode="full_resident", kernel="kvboost")
+    unfuse_layers(model)  # the layers' own forward, whose projections call the kernel (fused layers call the op)
     kernel = _groups(model)[0].kernel
     calls = []
     real = type(kernel).matmul
@@ -133,6 +136,8 @@ def test_inference_mode_and_copies(tiny_awq, kernels_built):
     assert _groups(draft)
     for clone in (copy.deepcopy(draft), pickle.loads(pickle.dumps(draft))):
         assert _groups(clone) and torch.equal(_logits(clone, ids, 1), _logits(draft, ids, 1))
+        assert type(clone.model.layers[0]) is LlamaDecoderLayer  # copied as the layer's own class
+        assert fuse_layers(clone) == len(clone.model.layers) and torch.equal(_logits(clone, ids, 1), _logits(draft, ids, 1))
 
 
 def test_replaced_weights_dissolve_the_group(tiny_awq, kernels_built):
@@ -147,6 +152,8 @@ def test_replaced_weights_dissolve_the_group(tiny_awq, kernels_built):
     assert not torch.equal(changed, _logits(model, ids, 1))
     target = model.model.layers[1].mlp.up_proj
     target.int4_weight = mlp.up_proj.int4_weight.clone()  # assigned anew, not copied into the view
+    assert torch.equal(_logits(model, ids, 1), changed)  # a fused layer reads its arguments again
+    unfuse_layers(model)  # the layers' own forward: the group sees its member's weight replaced
     assert torch.equal(_logits(model, ids, 1), changed) and target.group is None
     attn = model.model.layers[0].self_attn
     attn.k_proj.set_weight(attn.k_proj.int4_weight.clone(), attn.k_proj.int4_scales_zeros.clone())

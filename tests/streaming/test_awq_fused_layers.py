@@ -1,0 +1,181 @@
+"""Fused decoder layers (``kernels.layer``): two op calls a layer with the bits of the layer's own modules, in
+every residency mode, dtype, ISA path and row count, in batches and in ``generate``; the layer's own forward
+wherever a module it would bypass is not one the ops reproduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from kvboost_hf import kernels, make_draft
+from kvboost_hf.kernels.layer import KernelLayerMixin, fuse_layers, layer_arguments, unfuse_layers
+from tests.conftest import make_tiny
+from tests.streaming.conftest import STREAM_FAMILIES, load_awq
+
+LAYER_OP = "kvboost::layer_output"
+
+
+@pytest.fixture
+def kernels_built():
+    status = kernels.available()
+    assert status.built, status.reason
+    return status
+
+
+def layer_op_calls(fn):
+    """``(fn(), how many times the fused layer op ran)``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, sum(1 for event in prof.events() if event.name == LAYER_OP)
+
+
+@torch.no_grad()
+def chunked_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of a prefill, a 9-row chunk and three one-row steps over ``ids`` (5 forwards)."""
+    cache, out, start = DynamicCache(config=model.config), [], 0
+    for end in (ids.shape[1] - 12, ids.shape[1] - 3, ids.shape[1] - 2, ids.shape[1] - 1, ids.shape[1]):
+        kwargs = {} if mask is None else {"attention_mask": mask[:, :end]}
+        out.append(model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, **kwargs).logits)
+        start = end
+    return torch.cat(out, dim=1)
+
+
+def assert_fused_equals_unfused(model, run, layers: int, forwards: int) -> None:
+    assert fuse_layers(model) == layers
+    fused, calls = layer_op_calls(run)
+    assert calls == layers * forwards  # the fused path really ran, every layer, every forward
+    assert unfuse_layers(model) == layers
+    plain, calls = layer_op_calls(run)
+    assert calls == 0
+    fuse_layers(model)
+    assert torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("family", STREAM_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residency", ["full_resident", "full_stream"])
+def test_fused_layers_give_the_bits_of_the_layers_modules(family, dtype, residency, tiny_awq, kernels_built):
+    settings = dict(n_staging_slots=1) if residency == "full_stream" else {}
+    model = load_awq(tiny_awq[family][1], residency_mode=residency, kernel="kvboost", dtype=dtype, **settings)
+    layers = model.config.num_hidden_layers
+    assert all(isinstance(layer, KernelLayerMixin) for layer in model.model.layers)  # the loader fused them
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    assert_fused_equals_unfused(model, lambda: chunked_logits(model, ids), layers, forwards=5)
+
+
+def test_every_isa_path_gives_the_modules_bits(tiny_awq, kernels_built):
+    model = load_awq(tiny_awq["gemma3"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 26), generator=torch.Generator().manual_seed(6))
+    try:
+        for isa in kernels.ISA_LEVELS[: kernels.ISA_LEVELS.index(kernels_built.host_isa) + 1]:
+            kernels.select_isa(isa)
+            assert_fused_equals_unfused(model, lambda: chunked_logits(model, ids), model.config.num_hidden_layers, 5)
+    finally:
+        kernels.select_isa(None)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_padded_batch_and_generate_give_the_modules_bits(family, tiny_awq, kernels_built):
+    model = load_awq(tiny_awq[family][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding on the second row
+    assert_fused_equals_unfused(model, lambda: chunked_logits(model, ids, mask), layers, forwards=5)
+
+    def generate():
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        return torch.cat([out.sequences.float().flatten(), torch.cat(out.logits).float().flatten()])
+
+    assert_fused_equals_unfused(model, generate, layers, forwards=6)
+
+
+def test_the_embedded_gemma_int4_model_gives_the_modules_bits(gemma_awq, kernels_built):
+    model = load_awq(gemma_awq, residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    ids = torch.randint(10, 20000, (1, 60), generator=torch.Generator().manual_seed(9))
+    assert_fused_equals_unfused(model, lambda: chunked_logits(model, ids), model.config.num_hidden_layers, 5)
+
+
+class Wrapped(nn.Module):
+    """A projection behind another module (as an adapter would put it): not one the layer ops reproduce."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_layer_the_ops_cannot_reproduce_runs_its_own_forward(tiny_awq, kernels_built):
+    model = load_awq(tiny_awq["llama"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    layers = model.model.layers
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(10))
+    expected, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    assert calls == 5 * len(layers)
+
+    seen = []
+    handle = layers[0].self_attn.q_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    got, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    handle.remove()
+    assert calls == 5 * (len(layers) - 1) and len(seen) == 5 and torch.equal(got, expected)  # the hook ran
+
+    original = layers[1].mlp.down_proj
+    layers[1].mlp.down_proj = Wrapped(original)
+    assert layer_arguments(layers[1]) is None
+    got, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    layers[1].mlp.down_proj = original
+    assert calls == 5 * (len(layers) - 1) and torch.equal(got, expected)
+    _, calls = layer_op_calls(lambda: chunked_logits(model, ids))  # the arguments are read again: fused again
+    assert calls == 5 * len(layers)
+
+    model.train()
+    _, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    model.eval()
+    assert calls == 0
+
+
+def test_a_torch_kernel_model_is_not_fused(tiny_awq, kernels_built):
+    model = load_awq(tiny_awq["llama"][1], residency_mode="full_resident", kernel="torch", dtype=torch.bfloat16)
+    assert not any(isinstance(layer, KernelLayerMixin) for layer in model.model.layers)
+    assert fuse_layers(model) == len(model.model.layers)  # fusing it anyway changes nothing: no layer qualifies
+    assert all(layer_arguments(layer) is None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_an_int4_self_draft_is_fused_and_gives_its_modules_bits(family, kernels_built):
+    draft = make_draft(make_tiny(family, seed=4, num_layers=3), bits=4)
+    layers = draft.config.num_hidden_layers
+    assert all(isinstance(layer, KernelLayerMixin) for layer in draft.model.layers)
+    ids = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(11))
+    assert_fused_equals_unfused(draft, lambda: chunked_logits(draft, ids), layers, forwards=5)
+
+
+def test_the_layer_ops_refuse_bad_arguments(tiny_awq, kernels_built):
+    model = load_awq(tiny_awq["gemma3"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    a = layer_arguments(model.model.layers[0])
+    hidden = torch.randn(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
+    head_dim = model.config.head_dim
+    cos = torch.ones(1, 3, head_dim, dtype=torch.bfloat16)
+    q_norm, k_norm, head_eps = a.head_norms
+    with pytest.raises(RuntimeError, match="scales/zeros must be float32"):
+        torch.ops.kvboost.layer_attention_inputs(hidden, a.norms[0], a.eps, a.qweights[:3], [a.sides[1]] * 3,
+                                                 a.outs[:3], a.groups[:3], a.biases[:3], q_norm, k_norm, head_eps,
+                                                 cos, cos, head_dim)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        torch.ops.kvboost.layer_attention_inputs(hidden, a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3],
+                                                 a.groups[:3], a.biases[:3], q_norm, k_norm, head_eps, cos.float(),
+                                                 cos.float(), head_dim)
+    attn = torch.randn(1, 3, a.outs[0] // head_dim, head_dim, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="activation must be"):
+        torch.ops.kvboost.layer_output(hidden, attn, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:],
+                                       a.biases[3:], a.norms[1], a.norms[2], a.norms[3], a.eps, "relu")
+    hidden.requires_grad_(True)
+    out = torch.ops.kvboost.layer_output(hidden, attn, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:],
+                                         a.biases[3:], a.norms[1], a.norms[2], a.norms[3], a.eps, a.activation)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        out.float().sum().backward()
