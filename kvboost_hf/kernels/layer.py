@@ -21,6 +21,7 @@ from __future__ import annotations
 import copyreg
 import functools
 import logging
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -141,22 +142,21 @@ class KernelLayerMixin:
     """The forward of a fused decoder layer (mixed into the layer's own class by :func:`fuse_layers`)."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        plan = None if args else self._kernel_plan(hidden_states, kwargs)
-        if plan is None:
+        interface = None if args else self._attention_function(hidden_states, kwargs)
+        a = None if interface is None else cached_arguments(self)
+        if a is None:
             return super().forward(hidden_states, *args, **kwargs)
-        a, attn = plan, self.self_attn
-        position_embeddings = kwargs.pop("position_embeddings")
+        attn = self.self_attn
+        cos, sin = kwargs.pop("position_embeddings")
         attention_mask = kwargs.pop("attention_mask", None)
         past_key_values = kwargs.pop("past_key_values", None)
         kwargs["position_ids"] = kwargs.get("position_ids")
-        cos, sin = position_embeddings
         q_norm, k_norm, head_eps = a.head_norms or (None, None, 0.0)
         q, k, v = torch.ops.kvboost.layer_attention_inputs(
             hidden_states, a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3], a.groups[:3], a.biases[:3],
             q_norm, k_norm, head_eps, cos, sin, attn.head_dim)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
-        interface = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
         if hasattr(attn, "sliding_window"):  # the layers that pass it (Gemma3, Qwen2/3) do
             kwargs["sliding_window"] = attn.sliding_window
         out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
@@ -164,31 +164,19 @@ class KernelLayerMixin:
             hidden_states, out, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:], a.biases[3:], a.norms[1],
             a.norms[2], a.norms[3], a.eps, a.activation)
 
-    def _kernel_plan(self, hidden_states: torch.Tensor, kwargs: dict) -> LayerArguments | None:
-        """The ops' arguments for this call, or None to run the layer's own forward. Reading them off the modules
-        costs ~45 us a layer, so they are kept with the identities they were read from (the layer's, attention's
-        and MLP's child modules, the projections' and norms' tensors) and read again when any changes."""
+    def _attention_function(self, hidden_states: torch.Tensor, kwargs: dict):
+        """transformers' attention function this call's layer runs, or None where the ops do not take this call."""
         embeddings = kwargs.get("position_embeddings")
-        if (embeddings is None or hidden_states.device.type != "cpu" or hidden_states.dim() != 3
+        if (self.training or embeddings is None or hidden_states.device.type != "cpu" or hidden_states.dim() != 3
                 or hidden_states.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling()
                 or torch.is_grad_enabled() and hidden_states.requires_grad
-                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-                or getattr(self.self_attn.config, "_attn_implementation", None) not in ALL_ATTENTION_FUNCTIONS):
+                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
             return None
         cos, sin = embeddings
-        head_dim = getattr(self.self_attn, "head_dim", None)
-        if cos.dtype != hidden_states.dtype or sin.dtype != hidden_states.dtype or cos.shape[-1] != head_dim:
+        attn = self.self_attn
+        if cos.dtype != hidden_states.dtype or sin.dtype != hidden_states.dtype or cos.shape[-1] != attn.head_dim:
             return None
-        key = _identity(self)
-        if key is None or any(m._forward_hooks or m._forward_pre_hooks for m in key[0]):
-            return None
-        cached = _ARGUMENTS.get(self)
-        if cached is not None and len(cached[0]) == len(key) and all(
-                len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(cached[0], key)):
-            return cached[1]
-        arguments = layer_arguments(self)
-        _ARGUMENTS[self] = (key, arguments)
-        return arguments
+        return ALL_ATTENTION_FUNCTIONS.get(getattr(attn.config, "_attn_implementation", None))  # None for eager
 
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the layer's own class (as a reuse-enabled model does): loading needs only
@@ -196,18 +184,34 @@ class KernelLayerMixin:
         return copyreg._reconstructor, (type(self).__bases__[-1], object, None), self.__getstate__()
 
 
-def _identity(layer: nn.Module) -> tuple | None:
-    """What :func:`layer_arguments` reads, by identity: the modules (first) and the tensors it takes."""
+@dataclass
+class _Cached:
+    modules: tuple  # the layer's, attention's and MLP's children
+    slots: list  # (dict, key, tensor): every tensor of those modules where it was read
+    arguments: LayerArguments | None
+
+
+def cached_arguments(layer: nn.Module) -> LayerArguments | None:
+    """:func:`layer_arguments`, read again only when one of the modules or tensors it came from was replaced
+    (reading costs ~45 us a layer; checking, a few), and None while any of those modules has hooks."""
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
     if attn is None or mlp is None:
         return None
     modules = (*layer._modules.values(), *attn._modules.values(), *mlp._modules.values())
-    tensors = tuple(t for m in modules
-                    for t in (*m._buffers.values(), *m._parameters.values(), m.__dict__.get("staged_weight")))
-    return modules, tensors, (layer.training, attn.config._attn_implementation)
+    if any(m is None or m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return None
+    cached = _ARGUMENTS.get(layer)
+    if (cached is not None and len(cached.modules) == len(modules) and all(map(operator.is_, cached.modules, modules))
+            and all(d.get(k) is t for d, k, t in cached.slots)):
+        return cached.arguments
+    slots = [(d, k, d.get(k)) for m in modules for d in (m._buffers, m._parameters, m.__dict__)
+             for k in (d if d is not m.__dict__ else ("staged_weight",))]
+    cached = _Cached(modules, slots, layer_arguments(layer))
+    _ARGUMENTS[layer] = cached
+    return cached.arguments
 
 
-_ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (identities, LayerArguments | None)
+_ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> _Cached
 
 
 @functools.cache

@@ -179,3 +179,35 @@ def test_the_layer_ops_refuse_bad_arguments(tiny_awq, kernels_built):
                                          a.biases[3:], a.norms[1], a.norms[2], a.norms[3], a.eps, a.activation)
     with pytest.raises(RuntimeError, match="not implemented"):
         out.float().sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_bits_do_not_depend_on_how_many_rows_a_layer_op_computes(dtype, tiny_awq, kernels_built):
+    """Few rows take the ops' own loops, many rows torch's vectorized ops: the same bits either way."""
+    model = load_awq(tiny_awq["gemma3"][1], residency_mode="full_resident", kernel="kvboost", dtype=dtype)
+    layer = model.model.layers[0]
+    a, head_dim = layer_arguments(layer), model.config.head_dim
+    gen = torch.Generator().manual_seed(12)
+    rows = 300  # q: 4 heads x 300 rows x 16 > the ops' loop limit
+    hidden = torch.randn(1, rows, model.config.hidden_size, generator=gen).to(dtype)
+    angles = torch.randn(1, rows, head_dim, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_norm, k_norm, head_eps = a.head_norms
+
+    def inputs(i, j):
+        return torch.ops.kvboost.layer_attention_inputs(
+            hidden[:, i:j], a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3], a.groups[:3], a.biases[:3],
+            q_norm, k_norm, head_eps, cos[:, i:j], sin[:, i:j], head_dim)
+
+    def output(i, j, attn):
+        return torch.ops.kvboost.layer_output(hidden[:, i:j], attn, a.qweights[3:], a.sides[3:], a.outs[3:],
+                                              a.groups[3:], a.biases[3:], a.norms[1], a.norms[2], a.norms[3], a.eps,
+                                              a.activation)
+
+    whole = inputs(0, rows)
+    attn = whole[0].transpose(1, 2).contiguous()  # any [B, M, H, D] tensor of the right shape
+    out = output(0, rows, attn)
+    for i in (0, 7, 299):
+        for got, expected in zip(inputs(i, i + 1), whole):
+            assert torch.equal(got, expected[:, :, i:i + 1]), i
+        assert torch.equal(output(i, i + 1, attn[:, i:i + 1]), out[:, i:i + 1]), i
