@@ -73,7 +73,9 @@ inline __m512 close_group(__m512 acc, __m512 t, __m512 s, __m512 z, float xs) {
 }
 
 // Few rows: codes decoded in registers, NB blocks' chains at once; the same bits as `tile`. VBMI: the
-// codes decoded by VbmiCodes (the group size a multiple of 8).
+// codes decoded by VbmiCodes (the group size a multiple of 8). Each 64 bytes read of a block prefetches
+// the same bytes of the block NB further on (the next tile's): a block's K x 8 bytes are too short a
+// stream for the hardware prefetcher to get ahead when the weights come from DRAM (a decode step).
 template <int MR, int NB, bool VBMI>
 inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t* q, int64_t qstride,
                        const float* scales, const float* zeros, int64_t sstride, int64_t group, const float* xs,
@@ -89,7 +91,10 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
     if constexpr (VBMI) {
       for (int64_t i = g0; i < g0 + group; i += 8) {
         __m512i src[NB];
-        for (int b = 0; b < NB; ++b) src[b] = _mm512_loadu_si512(q + b * qstride + 8 * i);
+        for (int b = 0; b < NB; ++b) {
+          src[b] = _mm512_loadu_si512(q + b * qstride + 8 * i);
+          _mm_prefetch(reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i), _MM_HINT_T0);
+        }
         for (int c = 0; c < 4; ++c) {
           __m512i pair[MR];
           for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i + 2 * c);
@@ -103,6 +108,9 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
       for (int64_t i = g0; i < g0 + group; i += 2) {
         __m512i pair[MR];
         for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i);
+        if (i % 8 == 0)
+          for (int b = 0; b < NB; ++b)
+            _mm_prefetch(reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i), _MM_HINT_T0);
         for (int b = 0; b < NB; ++b) {
           const __m512bh w = (__m512bh)code_pair(q + b * qstride + 8 * i, table);
           for (int r = 0; r < MR; ++r) t[r][b] = _mm512_dpbf16_ps(t[r][b], (__m512bh)pair[r], w);
