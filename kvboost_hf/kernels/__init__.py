@@ -27,6 +27,7 @@ from kvboost_hf.kernels.layout import (
     pack_int8,
     unpack_int4,
 )
+from kvboost_hf.kernels.layer import fuse_layers, unfuse_layers
 from kvboost_hf.kernels.linear import KernelLinear
 from kvboost_hf.kernels.ops import (
     ISA_LEVELS,
@@ -34,6 +35,7 @@ from kvboost_hf.kernels.ops import (
     dense_linear,
     host_isa,
     int4_linear,
+    int4_numerics,
     int8_linear,
     linear,
     loaded,
@@ -60,6 +62,6 @@ def available() -> KernelStatus:
 
 __all__ = [
     "ISA_LEVELS", "DenseBlocks", "Int4Blocks", "Int8Blocks", "KernelLinear", "KernelStatus", "linear", "available", "current_isa",
-    "dense_linear", "host_isa", "int4_groups", "int4_linear", "int4_qweight", "int8_linear", "pack_dense",
-    "pack_int4", "pack_int8", "select_isa", "unpack_int4",
+    "dense_linear", "fuse_layers", "host_isa", "int4_groups", "int4_linear", "int4_numerics", "int4_qweight", "int8_linear", "pack_dense",
+    "pack_int4", "pack_int8", "select_isa", "unfuse_layers", "unpack_int4",
 ]

@@ -156,7 +156,7 @@ def model_state_token(model: torch.nn.Module) -> tuple:
     layout = tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
     memo = _tuners.get(model)
     if memo is None or memo[0] != layout:  # adapters and swapped modules bring tensors: the layout changes
-        memo = (layout, tuner_layers(model), module_numerics(model))
+        memo = (layout, tuner_layers(model), numeric_modules(model))
         _tuners[model] = memo
     layers = memo[1]
     return (
@@ -167,15 +167,22 @@ def model_state_token(model: torch.nn.Module) -> tuple:
         tuple(active_adapters(model, layers)),
         adapter_scales(model, layers),
         _attention_family(model),  # kvboost_sdpa (switched on for some requests) computes SDPA's K/V
-        memo[2],
+        module_numerics(model, memo[2]),  # evaluated each time: a kernel's numerics follow the ISA path in effect
         config_digest(model),
     )
 
 
-def module_numerics(model: torch.nn.Module) -> tuple[str, ...]:
+def numeric_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` whose class declares ``kvboost_numerics`` (see :func:`module_numerics`)."""
+    return [m for m in model.modules() if hasattr(type(m), "kvboost_numerics")]
+
+
+def module_numerics(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> tuple[str, ...]:
     """The ``kvboost_numerics`` names of the modules kvboost_hf put in ``model`` that compute their own bits
-    (``FusedRMSNorm`` and its kernel subclass), sorted; empty for a stock model."""
-    return tuple(sorted({name for m in model.modules() if (name := getattr(type(m), "kvboost_numerics", None))}))
+    (``FusedRMSNorm`` and its kernel subclass; an int4 linear on kvboost_hf's kernel, whose name follows the
+    ISA path in effect), sorted; empty for a stock model. ``modules``: :func:`numeric_modules`, if known."""
+    modules = numeric_modules(model) if modules is None else modules
+    return tuple(sorted({name for m in modules if (name := m.kvboost_numerics)}))
 
 
 def _attention_family(model: torch.nn.Module) -> str | None:

@@ -21,6 +21,12 @@ class Int4Kernel:
     name = ""
     amortises_rows = False  # whether a call's cost grows slower than its row count
 
+    @property
+    def numerics(self) -> str | None:
+        """A name for the bits this kernel computes, where they are not the model's usual ones (the store
+        namespace takes it: K/V computed one way never serve a model computing another way); None: torch's."""
+        return None
+
     def pack(self, codes: torch.Tensor, device: torch.device) -> torch.Tensor:
         raise NotImplementedError
 
@@ -56,6 +62,10 @@ class KvboostInt4(Int4Kernel):
 
     name = "kvboost"
     amortises_rows = True
+
+    @property
+    def numerics(self) -> str:
+        return kernels.int4_numerics()  # the ISA path in effect decides
 
     def pack(self, codes: torch.Tensor, device: torch.device) -> torch.Tensor:
         return kernels.int4_qweight(codes).to(device)

@@ -49,6 +49,11 @@ class AWQInt4Linear(nn.Module):
             self.register_buffer("int4_weight", packed)
         self.register_buffer("int4_scales_zeros", scales_zeros)
 
+    @property
+    def kvboost_numerics(self) -> str | None:
+        """The bits this linear computes, for the store namespace (``models.fingerprint.module_numerics``)."""
+        return self.kernel.numerics
+
     def kernel_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(packed, side)``: the weight this linear computes with now, where that is kvboost_hf's int4 kernel
         (for :mod:`kvboost_hf.kernels.layer`, which then computes it as :meth:`forward` does); else None."""

@@ -1,0 +1,34 @@
+"""The store namespace of an int4 model names the bits its kernel computes: the avx512_bf16 path's int4
+numerics are its own, so K/V stored by a host on that path never serve a host (or a process) on another."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost_hf import kernels
+from kvboost_hf.models.namespace import namespace
+from tests.streaming.conftest import load_awq
+
+
+def test_the_namespace_follows_the_int4_numerics_of_the_isa_path(tiny_awq):
+    status = kernels.available()
+    assert status.built, status.reason
+    path = tiny_awq["gemma3"][1]
+    ours = load_awq(path, residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    theirs = load_awq(path, residency_mode="full_resident", kernel="torch", dtype=torch.bfloat16)
+    paths = kernels.ISA_LEVELS[: kernels.ISA_LEVELS.index(status.host_isa) + 1]
+    keys, numerics = {}, {}
+    try:
+        for isa in paths:
+            kernels.select_isa(isa)
+            keys[isa] = (namespace(ours), namespace(theirs))
+            numerics[isa] = kernels.int4_numerics()
+    finally:
+        kernels.select_isa(None)
+    fma = {keys[isa][0] for isa in paths if isa != "avx512_bf16"}
+    assert len(fma) == 1  # scalar, avx2 and avx512 compute the same bits: one namespace
+    assert {numerics[isa] for isa in paths if isa != "avx512_bf16"} == {"kvboost-int4-fma-v1"}
+    if "avx512_bf16" in keys:
+        assert keys["avx512_bf16"][0] not in fma and numerics["avx512_bf16"] == "kvboost-int4-bf16dot-v1"
+    assert len({key for _, key in keys.values()}) == 1  # torch's kernel: its namespace as before
+    assert all(key not in fma for _, key in keys.values())  # and never one of ours
