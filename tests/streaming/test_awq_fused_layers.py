@@ -211,3 +211,28 @@ def test_a_rows_bits_do_not_depend_on_how_many_rows_a_layer_op_computes(dtype, t
         for got, expected in zip(inputs(i, i + 1), whole):
             assert torch.equal(got, expected[:, :, i:i + 1]), i
         assert torch.equal(output(i, i + 1, attn[:, i:i + 1]), out[:, i:i + 1]), i
+
+
+def test_a_qwen3_self_draft_norms_its_heads_before_rope_as_its_modules_do(kernels_built):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(13)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=256)).eval()
+    draft = make_draft(model, bits=4)
+    assert all(isinstance(layer, KernelLayerMixin) for layer in draft.model.layers)
+    ids = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(14))
+    assert_fused_equals_unfused(draft, lambda: chunked_logits(draft, ids), 2, forwards=5)
+
+
+def test_hidden_state_capture_sees_the_fused_layers_outputs(tiny_awq, kernels_built):
+    model = load_awq(tiny_awq["gemma3"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(15))
+
+    def hidden_states():
+        with torch.no_grad():
+            return torch.cat([h.flatten() for h in model(input_ids=ids, output_hidden_states=True).hidden_states])
+
+    assert_fused_equals_unfused(model, hidden_states, layers, forwards=1)
