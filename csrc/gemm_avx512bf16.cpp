@@ -237,6 +237,7 @@ bool few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_
 
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
+  if (m <= 0) return;  // no rows: the row tiles below assume at least one
   static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
   static const VbmiCodes codes;
   const int64_t groups = k / group, qstride = k * 8, sstride = groups * 16;

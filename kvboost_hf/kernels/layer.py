@@ -100,7 +100,8 @@ def layer_arguments(layer: nn.Module) -> LayerArguments | None:
     """The ops' arguments for ``layer`` as it stands now, or None where the ops would not reproduce it."""
     form = FORMS.get(_base_name(layer))
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if form is None or attn is None or mlp is None or layer.training or _hooked(attn) or _hooked(mlp):
+    if (form is None or attn is None or mlp is None or layer.training or _hooked(mlp)
+            or _hooked(attn) and not _capture_only(attn, attn)):
         return None
     activation = activation_name(getattr(mlp, "act_fn", None))
     if activation is None or _hooked(mlp.act_fn):
@@ -159,7 +160,10 @@ class KernelLayerMixin:
             k, v = past_key_values.update(k, v, attn.layer_idx)
         if hasattr(attn, "sliding_window"):  # the layers that pass it (Gemma3, Qwen2/3) do
             kwargs["sliding_window"] = attn.sliding_window
-        out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        out, weights = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        if weights is not None:  # output capture (the only hooks a fused layer's attention may have) takes them
+            for hook in list(attn._forward_hooks.values()):
+                hook(attn, (), (None, weights))
         return torch.ops.kvboost.layer_output(
             hidden_states, out, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:], a.biases[3:], a.norms[1],
             a.norms[2], a.norms[3], a.eps, a.activation)
@@ -198,7 +202,7 @@ def cached_arguments(layer: nn.Module) -> LayerArguments | None:
     if attn is None or mlp is None:
         return None
     modules = (*layer._modules.values(), *attn._modules.values(), *mlp._modules.values())
-    if any(m is None or m._forward_hooks or m._forward_pre_hooks for m in modules):
+    if any(m is None or (m._forward_hooks or m._forward_pre_hooks) and not _capture_only(m, attn) for m in modules):
         return None
     cached = _ARGUMENTS.get(layer)
     if (cached is not None and len(cached.modules) == len(modules) and all(map(operator.is_, cached.modules, modules))
@@ -209,6 +213,17 @@ def cached_arguments(layer: nn.Module) -> LayerArguments | None:
     cached = _Cached(modules, slots, layer_arguments(layer))
     _ARGUMENTS[layer] = cached
     return cached.arguments
+
+
+CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers' output-capture hooks are defined
+
+
+def _capture_only(module: nn.Module, attn: nn.Module) -> bool:
+    """Whether ``module`` is the attention module and its only hooks are transformers' output capture, which
+    stays installed once any call asked for hidden states or attentions and acts only while one does: the
+    fused forward passes it the attention weights itself (none from a non-eager attention function)."""
+    return module is attn and not module._forward_pre_hooks and all(
+        getattr(hook, "__module__", None) == CAPTURE_HOOKS for hook in module._forward_hooks.values())
 
 
 _ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> _Cached

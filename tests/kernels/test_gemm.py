@@ -139,6 +139,27 @@ def test_bad_inputs_say_what_to_change(built):
         kernels.select_isa("sse9")
 
 
+def test_no_rows_give_no_rows_on_every_path(isa_paths):
+    """An empty batch (a zero-length chunk) gives an empty result; it crashed the few-row tiles before."""
+    blocks = random_int4(64, 64, 32, True, seed=2)[0]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
+    int8 = pack_int8(q, torch.rand(48, generator=gen))
+    dense = pack_dense(torch.randn(48, 64, generator=gen).to(torch.bfloat16))
+    weight = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
+    try:
+        for isa in isa_paths:
+            kernels.select_isa(isa)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.empty(0, 64, dtype=dtype)
+                assert kernels.int4_linear(x, blocks).shape == (0, 64), isa
+                assert kernels.int8_linear(x, int8).shape == (0, 48), isa
+                assert kernels.dense_linear(x, dense).shape == (0, 48), isa
+                assert kernels.linear(x, weight.to(dtype)).shape == (0, 48), isa
+    finally:
+        kernels.select_isa(None)
+
+
 def test_ops_trace_under_torch_compile(built):
     blocks = random_int4(48, 128, 32, True, seed=2)[0]
     dense = pack_dense(torch.randn(40, 48))

@@ -226,13 +226,28 @@ def test_a_qwen3_self_draft_norms_its_heads_before_rope_as_its_modules_do(kernel
     assert_fused_equals_unfused(draft, lambda: chunked_logits(draft, ids), 2, forwards=5)
 
 
-def test_hidden_state_capture_sees_the_fused_layers_outputs(tiny_awq, kernels_built):
+def test_output_capture_gives_the_modules_outputs_and_keeps_the_layers_fused(tiny_awq, kernels_built):
+    """transformers' output capture hooks every layer and attention module the first time a call asks for
+    hidden states or attentions, and leaves the hooks installed: the fused layers keep running (they pass
+    the attention weights to the capture themselves), and capture what the modules give."""
     model = load_awq(tiny_awq["gemma3"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
     layers = model.config.num_hidden_layers
-    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(15))
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(15))
 
     def hidden_states():
         with torch.no_grad():
             return torch.cat([h.flatten() for h in model(input_ids=ids, output_hidden_states=True).hidden_states])
 
+    def attentions():
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+        return torch.tensor([len(out.attentions or ())]), out.logits
+
     assert_fused_equals_unfused(model, hidden_states, layers, forwards=1)
+    fused, calls = layer_op_calls(attentions)
+    unfuse_layers(model)
+    plain = attentions()
+    fuse_layers(model)
+    assert calls == layers and torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    assert any(m._forward_hooks for m in model.modules())  # the capture's hooks are still there
+    assert_fused_equals_unfused(model, lambda: chunked_logits(model, ids), layers, forwards=5)
