@@ -151,5 +151,6 @@ def _register_fakes() -> None:
         return tuple(hidden.new_empty((batch, out // head_dim, rows, head_dim)) for out in outs)
 
     torch.library.register_fake("kvboost::layer_attention_inputs")(attention_inputs)
-    torch.library.register_fake("kvboost::layer_output")(lambda residual, attn, *args: residual.new_empty(residual.shape))
+    torch.library.register_fake("kvboost::layer_output")(
+        lambda residual, attn, *args: residual.new_empty(residual.shape))
 

@@ -251,3 +251,21 @@ def test_output_capture_gives_the_modules_outputs_and_keeps_the_layers_fused(tin
     assert calls == layers and torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
     assert any(m._forward_hooks for m in model.modules())  # the capture's hooks are still there
     assert_fused_equals_unfused(model, lambda: chunked_logits(model, ids), layers, forwards=5)
+
+
+def test_the_layer_ops_pass_torchs_custom_op_checks(tiny_awq, kernels_built):
+    """Schema, fake kernels (shapes and strides for torch.compile), autograd registration, AOT dispatch."""
+    model = load_awq(tiny_awq["gemma3"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    a, head_dim = layer_arguments(model.model.layers[0]), model.config.head_dim
+    gen = torch.Generator().manual_seed(16)
+    hidden = torch.randn(2, 3, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    cos = torch.randn(1, 3, head_dim, generator=gen).to(torch.bfloat16)
+    q_norm, k_norm, head_eps = a.head_norms
+    inputs = (hidden, a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3], a.groups[:3], a.biases[:3], q_norm,
+              k_norm, head_eps, cos, cos, head_dim)
+    attn = torch.randn(2, 3, a.outs[0] // head_dim, head_dim, generator=gen).to(torch.bfloat16)
+    output = (hidden, attn, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:], a.biases[3:], a.norms[1], a.norms[2],
+              a.norms[3], a.eps, a.activation)
+    for op, args in ((torch.ops.kvboost.layer_attention_inputs.default, inputs),
+                     (torch.ops.kvboost.layer_output.default, output)):
+        assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}

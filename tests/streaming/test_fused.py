@@ -137,7 +137,8 @@ def test_inference_mode_and_copies(tiny_awq, kernels_built):
     for clone in (copy.deepcopy(draft), pickle.loads(pickle.dumps(draft))):
         assert _groups(clone) and torch.equal(_logits(clone, ids, 1), _logits(draft, ids, 1))
         assert type(clone.model.layers[0]) is LlamaDecoderLayer  # copied as the layer's own class
-        assert fuse_layers(clone) == len(clone.model.layers) and torch.equal(_logits(clone, ids, 1), _logits(draft, ids, 1))
+        assert fuse_layers(clone) == len(clone.model.layers)
+        assert torch.equal(_logits(clone, ids, 1), _logits(draft, ids, 1))
 
 
 def test_replaced_weights_dissolve_the_group(tiny_awq, kernels_built):
