@@ -96,6 +96,10 @@ at::Tensor int4_columns(const at::Tensor& x, const std::vector<Int4Proj>& ps, st
 // Projection i's output as AWQInt4Linear returns it: rounded to bf16, then to `dtype`, plus its bias.
 at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj& p, const std::optional<at::Tensor>& bias,
                       at::ScalarType dtype, at::IntArrayRef lead) {
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == p.out,
+                "a bias must be a ", dtype, " CPU tensor [", p.out, "], got ", bias->scalar_type(), " ",
+                bias->device(), " ", bias->sizes());
   std::vector<int64_t> shape(lead.begin(), lead.end());
   shape.push_back(p.out);
   const int64_t rows = columns.size(0), ld = columns.size(1);

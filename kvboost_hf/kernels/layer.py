@@ -37,29 +37,39 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LayerForm:
-    """How a decoder-layer class arranges its norms. ``sandwich``: Gemma's norms on the branch outputs
-    (post-attention, pre- and post-feed-forward); else Llama's (``post_attention_layernorm`` before the MLP)."""
+    """What a decoder-layer class's forward does that the ops must follow. ``sandwich``: Gemma's norms on the
+    branch outputs (post-attention, pre- and post-feed-forward), else Llama's (``post_attention_layernorm``
+    before the MLP); ``attention`` / ``mlp``: the classes of its submodules whose forward was read;
+    ``window``: where its attention call's ``sliding_window`` comes from (``"layer"``: the attention module,
+    ``"config"``: its config, None: not passed)."""
 
     sandwich: bool
+    attention: str
+    mlp: str
+    window: str | None
 
 
 FORMS = {  # layer classes whose forward (transformers 5.x) the ops reproduce, read line by line
-    "Gemma3DecoderLayer": LayerForm(sandwich=True),
-    "LlamaDecoderLayer": LayerForm(sandwich=False),
-    "MistralDecoderLayer": LayerForm(sandwich=False),
-    "Qwen2DecoderLayer": LayerForm(sandwich=False),
-    "Qwen3DecoderLayer": LayerForm(sandwich=False),
+    "Gemma3DecoderLayer": LayerForm(True, "Gemma3Attention", "Gemma3MLP", "layer"),
+    "LlamaDecoderLayer": LayerForm(False, "LlamaAttention", "LlamaMLP", None),
+    "MistralDecoderLayer": LayerForm(False, "MistralAttention", "MistralMLP", "config"),
+    "Qwen2DecoderLayer": LayerForm(False, "Qwen2Attention", "Qwen2MLP", "layer"),
+    "Qwen3DecoderLayer": LayerForm(False, "Qwen3Attention", "Qwen3MLP", "layer"),
 }
 _NORMS = {True: ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                  "post_feedforward_layernorm"),
           False: ("input_layernorm", None, "post_attention_layernorm", None)}
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
 def activation_name(act: nn.Module) -> str | None:
     """The op's name for an MLP activation it computes as torch does (``gelu_tanh``, ``gelu``, ``silu``), else None."""
-    if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
+    if _hooked(act):
+        return None
+    if type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation":
         return "silu"
-    if isinstance(act, nn.GELU):
+    if type(act) is nn.GELU:
         return "gelu_tanh" if act.approximate == "tanh" else "gelu"
     inner = getattr(act, "act", None)  # transformers' GELUTanh: functools.partial(F.gelu, approximate="tanh")
     if (type(act).__name__ == "GELUTanh" and isinstance(inner, functools.partial)
@@ -69,16 +79,28 @@ def activation_name(act: nn.Module) -> str | None:
 
 
 def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Hooks, or a ``forward`` set on the instance (accelerate's ``add_hook_to_module`` and offloading do that)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in module.__dict__
 
 
-def _int4(module: nn.Module):
-    blocks = getattr(module, "kernel_blocks", None)
-    return blocks() if callable(blocks) else None
+def _int4(module: nn.Module | None):
+    """``module``'s ``kernel_blocks()``, where its own class both defines that and computes its forward (a
+    wrapper forwarding attribute lookups, or a subclass overriding ``forward`` alone, does not count)."""
+    if module is None or _hooked(module):
+        return None
+    cls = type(module)
+    owner = next((c for c in cls.__mro__ if "kernel_blocks" in c.__dict__), None)
+    if owner is None or next(c for c in cls.__mro__ if "forward" in c.__dict__) is not owner:
+        return None
+    return module.kernel_blocks()
 
 
 def _scale(norm: nn.Module | None):
     return norm.scale if type(norm) is KernelRMSNorm and not _hooked(norm) else None
+
+
+def _cpu_tensor(t) -> bool:
+    return t is None or t.device.type == "cpu"
 
 
 @dataclass
@@ -94,24 +116,26 @@ class LayerArguments:
     eps: float
     head_norms: tuple | None  # (q scale, k scale, eps)
     activation: str
+    window: str | None  # LayerForm.window
+    bias_dtypes: frozenset  # the projections' bias dtypes: each must be the activations' (else torch promotes)
 
 
 def layer_arguments(layer: nn.Module) -> LayerArguments | None:
     """The ops' arguments for ``layer`` as it stands now, or None where the ops would not reproduce it."""
     form = FORMS.get(_base_name(layer))
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if (form is None or attn is None or mlp is None or layer.training or _hooked(mlp)
-            or _hooked(attn) and not _capture_only(attn, attn)):
+    if (form is None or type(attn).__name__ != form.attention or type(mlp).__name__ != form.mlp
+            or layer.training or attn.training or mlp.training
+            or _hooked(mlp) or _hooked(attn) and not _capture_only(attn, attn)):
         return None
     activation = activation_name(getattr(mlp, "act_fn", None))
-    if activation is None or _hooked(mlp.act_fn):
+    if activation is None:
         return None
-    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     qweights, sides, outs, groups, biases = [], [], [], [], []
-    for p in projections:
-        blocks = _int4(p) if p is not None and not _hooked(p) else None
-        if blocks is None:
+    for owner, name in PROJECTIONS:
+        p = getattr(attn if owner == "self_attn" else mlp, name, None)
+        blocks = _int4(p)
+        if blocks is None or not _cpu_tensor(p.bias) or p.bias is not None and p.bias.shape != (p.out_features,):
             return None
         qweights.append(blocks[0])
         sides.append(blocks[1])
@@ -129,9 +153,11 @@ def layer_arguments(layer: nn.Module) -> LayerArguments | None:
         if q is None or k is None or attn.q_norm.eps != attn.k_norm.eps:
             return None
         head_norms = (q, k, attn.q_norm.eps)
-    if len(eps) != 1 or groups[1:3] != groups[:1] * 2 or groups[4] != groups[5]:
+    if (len(eps) != 1 or groups[1:3] != groups[:1] * 2 or groups[4] != groups[5]
+            or not all(_cpu_tensor(t) for t in (*qweights, *sides, *norms))):
         return None
-    return LayerArguments(qweights, sides, outs, groups, biases, norms, eps.pop(), head_norms, activation)
+    return LayerArguments(qweights, sides, outs, groups, biases, norms, eps.pop(), head_norms, activation, form.window,
+                          frozenset(b.dtype for b in biases if b is not None))
 
 
 def _base_name(layer: nn.Module) -> str:
@@ -145,7 +171,7 @@ class KernelLayerMixin:
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         interface = None if args else self._attention_function(hidden_states, kwargs)
         a = None if interface is None else cached_arguments(self)
-        if a is None:
+        if a is None or a.bias_dtypes and a.bias_dtypes != {hidden_states.dtype}:
             return super().forward(hidden_states, *args, **kwargs)
         attn = self.self_attn
         cos, sin = kwargs.pop("position_embeddings")
@@ -158,8 +184,10 @@ class KernelLayerMixin:
             q_norm, k_norm, head_eps, cos, sin, attn.head_dim)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
-        if hasattr(attn, "sliding_window"):  # the layers that pass it (Gemma3, Qwen2/3) do
+        if a.window == "layer":  # as each class's attention passes it (LayerForm.window)
             kwargs["sliding_window"] = attn.sliding_window
+        elif a.window == "config":
+            kwargs["sliding_window"] = getattr(attn.config, "sliding_window", None)
         out, weights = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
         if weights is not None:  # output capture (the only hooks a fused layer's attention may have) takes them
             for hook in list(attn._forward_hooks.values()):
@@ -196,25 +224,27 @@ class _Cached:
 
 
 def cached_arguments(layer: nn.Module) -> LayerArguments | None:
-    """:func:`layer_arguments`, read again only when one of the modules or tensors it came from was replaced
-    (reading costs ~45 us a layer; checking, a few), and None while any of those modules has hooks."""
+    """:func:`layer_arguments`, read again only when one of the modules, tensors or plain attributes it came from
+    was replaced (reading costs ~45 us a layer; checking, a few), and None while any of those modules has hooks."""
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
     if attn is None or mlp is None:
         return None
     modules = (*layer._modules.values(), *attn._modules.values(), *mlp._modules.values())
-    if any(m is None or (m._forward_hooks or m._forward_pre_hooks) and not _capture_only(m, attn) for m in modules):
+    if any(m is None or _hooked(m) and not _capture_only(m, attn) for m in modules):
         return None
     cached = _ARGUMENTS.get(layer)
     if (cached is not None and len(cached.modules) == len(modules) and all(map(operator.is_, cached.modules, modules))
             and all(d.get(k) is t for d, k, t in cached.slots)):
         return cached.arguments
     slots = [(d, k, d.get(k)) for m in modules for d in (m._buffers, m._parameters, m.__dict__)
-             for k in (d if d is not m.__dict__ else ("staged_weight",))]
+             for k in (d if d is not m.__dict__ else _READ_ATTRIBUTES)]
     cached = _Cached(modules, slots, layer_arguments(layer))
     _ARGUMENTS[layer] = cached
     return cached.arguments
 
 
+# The plain attributes of the modules that layer_arguments reads (a norm's eps, a projection's sizes...).
+_READ_ATTRIBUTES = ("staged_weight", "eps", "out_features", "group_size", "training", "kernel")
 CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers' output-capture hooks are defined
 
 
@@ -222,7 +252,7 @@ def _capture_only(module: nn.Module, attn: nn.Module) -> bool:
     """Whether ``module`` is the attention module and its only hooks are transformers' output capture, which
     stays installed once any call asked for hidden states or attentions and acts only while one does: the
     fused forward passes it the attention weights itself (none from a non-eager attention function)."""
-    return module is attn and not module._forward_pre_hooks and all(
+    return module is attn and not module._forward_pre_hooks and "forward" not in module.__dict__ and all(
         getattr(hook, "__module__", None) == CAPTURE_HOOKS for hook in module._forward_hooks.values())
 
 

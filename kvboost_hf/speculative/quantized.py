@@ -87,6 +87,10 @@ class Int4DraftLinear(AWQInt4Linear):
         zero = self.int4_scales_zeros[..., 1].t().unsqueeze(-1)
         return ((q - 8) * scale + zero).reshape(n, k)
 
+    def kernel_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As :meth:`AWQInt4Linear.kernel_blocks`, where :meth:`forward` never takes the dense path."""
+        return super().kernel_blocks() if self.kernel.amortises_rows or self.int4_nibbles is None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows < DENSE_MIN_ROWS or self.int4_nibbles is None or x.device.type != "cpu" or self.kernel.amortises_rows:

@@ -269,3 +269,93 @@ def test_the_layer_ops_pass_torchs_custom_op_checks(tiny_awq, kernels_built):
     for op, args in ((torch.ops.kvboost.layer_attention_inputs.default, inputs),
                      (torch.ops.kvboost.layer_output.default, output)):
         assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
+
+
+class Forwarding(nn.Module):
+    """An adapter-style wrapper that forwards attribute lookups to the module it wraps (and adds to it)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, x):
+        return self.inner(x) * 1.5
+
+
+def _wrap_q(model):
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = Forwarding(attn.q_proj)
+
+
+def _patch_forward(model):
+    mlp = model.model.layers[0].mlp
+    mlp.forward = lambda x, _f=type(mlp).forward, _m=mlp: _f(_m, x) * 0.5
+
+
+def _accelerate_hook(model):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Halve(ModelHook):
+        def post_forward(self, module, output):
+            return output * 0.5
+
+    add_hook_to_module(model.model.layers[0].mlp.down_proj, Halve())
+
+
+def _new_eps(model):
+    model.model.layers[0].input_layernorm.eps = 0.5
+
+
+@pytest.mark.parametrize("change", [_wrap_q, _patch_forward, _accelerate_hook, _new_eps])
+def test_a_change_the_hooks_do_not_show_still_gives_the_modules_bits(change, tiny_awq, kernels_built):
+    """Changes made after the first call that no torch hook registry shows: a wrapper forwarding attribute
+    lookups, a forward set on the instance (accelerate's hooks do that), a norm's eps. Each is seen."""
+    model = load_awq(tiny_awq["llama"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(17))
+    before = chunked_logits(model, ids)
+    change(model)
+    fused, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    unfuse_layers(model)
+    plain = chunked_logits(model, ids)
+    assert torch.equal(fused, plain) and not torch.equal(fused, before)
+    assert calls == 5 * (len(model.model.layers) - 1)  # layer 0 (for eps: its norms no longer share one) falls back
+
+
+def test_a_meta_or_other_dtype_bias_runs_the_layers_own_forward(tiny_awq, kernels_built):
+    model = load_awq(tiny_awq["qwen2"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    bias = layer.self_attn.q_proj.bias
+    layer.self_attn.q_proj.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+    assert layer_arguments(layer).bias_dtypes == {torch.float32, torch.bfloat16}
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(18))
+    # torch promotes the projection to float32 in the layer's own forward, whose attention then refuses the mix:
+    # the fused layer must not compute a bf16 answer instead
+    with pytest.raises(RuntimeError, match="must have one dtype"):
+        chunked_logits(model, ids)
+    layer.self_attn.q_proj.bias = nn.Parameter(torch.empty_like(bias, device="meta"), requires_grad=False)
+    assert layer_arguments(layer) is None
+
+
+def test_mistral_attention_keeps_its_window_on_row_exact_routes(kernels_built):
+    """MistralAttention passes the config's sliding window to the attention function: so must a fused layer,
+    or a row-exact verification (which takes the window from that argument) reads past it."""
+    from kvboost_hf.speculative.exact_rows import route_rows, verifying
+
+    draft = make_draft(make_tiny("mistral", seed=5, num_layers=2), bits=4)  # window 16
+    ids = torch.randint(3, 96, (1, 35), generator=torch.Generator().manual_seed(19))
+
+    def verification():
+        cache = DynamicCache(config=draft.config)
+        with torch.no_grad():
+            draft(input_ids=ids[:, :30], past_key_values=cache, use_cache=True)
+            with verifying(draft):
+                route_rows(5)
+                return draft(input_ids=ids[:, 30:], past_key_values=cache, use_cache=True).logits
+
+    assert_fused_equals_unfused(draft, verification, 2, forwards=2)
