@@ -199,13 +199,13 @@ class KernelLayerMixin:
     def _attention_function(self, hidden_states: torch.Tensor, kwargs: dict):
         """transformers' attention function this call's layer runs, or None where the ops do not take this call."""
         embeddings = kwargs.get("position_embeddings")
-        if (self.training or embeddings is None or hidden_states.device.type != "cpu" or hidden_states.dim() != 3
+        attn = self.self_attn
+        if (self.training or attn.training or self.mlp.training or embeddings is None or hidden_states.device.type != "cpu" or hidden_states.dim() != 3
                 or hidden_states.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling()
                 or torch.is_grad_enabled() and hidden_states.requires_grad
                 or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
             return None
         cos, sin = embeddings
-        attn = self.self_attn
         if cos.dtype != hidden_states.dtype or sin.dtype != hidden_states.dtype or cos.shape[-1] != attn.head_dim:
             return None
         return ALL_ATTENTION_FUNCTIONS.get(getattr(attn.config, "_attn_implementation", None))  # None for eager
@@ -236,15 +236,16 @@ def cached_arguments(layer: nn.Module) -> LayerArguments | None:
     if (cached is not None and len(cached.modules) == len(modules) and all(map(operator.is_, cached.modules, modules))
             and all(d.get(k) is t for d, k, t in cached.slots)):
         return cached.arguments
-    slots = [(d, k, d.get(k)) for m in modules for d in (m._buffers, m._parameters, m.__dict__)
-             for k in (d if d is not m.__dict__ else _READ_ATTRIBUTES)]
+    slots = [(d, k, v) for m in modules for d in (m._buffers, m._parameters) for k, v in d.items()]
+    slots += [(m.__dict__, k, m.__dict__[k]) for m in modules for k in _READ_ATTRIBUTES if k in m.__dict__]
     cached = _Cached(modules, slots, layer_arguments(layer))
     _ARGUMENTS[layer] = cached
     return cached.arguments
 
 
-# The plain attributes of the modules that layer_arguments reads (a norm's eps, a projection's sizes...).
-_READ_ATTRIBUTES = ("staged_weight", "eps", "out_features", "group_size", "training", "kernel")
+# The plain attributes of the modules that layer_arguments reads (a norm's eps, a projection's sizes...);
+# training is checked on every call (_attention_function).
+_READ_ATTRIBUTES = ("staged_weight", "eps", "out_features", "group_size", "kernel")
 CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers' output-capture hooks are defined
 
 
