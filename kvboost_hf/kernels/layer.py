@@ -200,7 +200,8 @@ class KernelLayerMixin:
         """transformers' attention function this call's layer runs, or None where the ops do not take this call."""
         embeddings = kwargs.get("position_embeddings")
         attn = self.self_attn
-        if (self.training or attn.training or self.mlp.training or embeddings is None or hidden_states.device.type != "cpu" or hidden_states.dim() != 3
+        if (self.training or attn.training or self.mlp.training or embeddings is None
+                or hidden_states.device.type != "cpu" or hidden_states.dim() != 3
                 or hidden_states.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling()
                 or torch.is_grad_enabled() and hidden_states.requires_grad
                 or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
@@ -219,7 +220,7 @@ class KernelLayerMixin:
 @dataclass
 class _Cached:
     modules: tuple  # the layer's, attention's and MLP's children
-    slots: list  # (dict, key, tensor): every tensor of those modules where it was read
+    slots: list  # (dict, key, value): their tensors and the plain attributes read, where they were read
     arguments: LayerArguments | None
 
 
