@@ -102,7 +102,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     owned = cpu_attention(compute_dtype) if on_cpu else None
     if owned is not None:  # a draft's numerics are ours: the kernel's attention, or float32 SDPA
         own_attention(draft, owned)
-    if on_cpu:
+    if on_cpu and bits == 4:
         fuse_layers(draft)  # int4 layers on kvboost_hf's kernel: two op calls a layer, the same bits
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
                         + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
