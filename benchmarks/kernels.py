@@ -196,7 +196,9 @@ def switch_extras(model, on, norms: dict) -> None:
         if module is not model and (module in saved["attention"] or getattr(module, OWNED_ATTR, None) is not None):
             loaded_with = saved["attention"].setdefault(module, getattr(module, OWNED_ATTR))
             setattr(module, OWNED_ATTR, loaded_with if on in (True, "unfused") else (on or None))
-    if saved.setdefault("fused_layers", unfuse_layers(model) > 0):  # only a model loaded with them
+    if "fused_layers" not in saved:  # only a model loaded with fused layers switches them
+        saved["fused_layers"] = unfuse_layers(model) > 0
+    if saved["fused_layers"]:
         if on is False or on == "unfused":
             unfuse_layers(model)
         else:

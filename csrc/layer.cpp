@@ -27,15 +27,14 @@ namespace {
 // vectorize (a 256-token prefill was 15% slower on the loops). Both give the same bits (tested).
 constexpr int64_t kLoopElements = 16384;
 
-// One int4 linear in the kernels' layout (kvboost_kernels.h); side is AWQInt4Linear's [2, NB, K/G, 16] (scales,
-// zeros), each half contiguous (a fused group's member views a slice of the group's).
+// One int4 linear of the layer: its weight, and its out_features (up to 16 * blocks).
 struct Int4Proj {
-  const uint8_t* q;
-  const float* scales;
-  const float* zeros;
-  int64_t blocks, group, out;
+  KvbInt4Weight w;
+  int64_t out;
 };
 
+// side is AWQInt4Linear's [2, NB, K/G, 16] (scales, zeros), each half contiguous (a fused group's member
+// views a slice of the group's).
 Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int64_t group, int64_t k) {
   TORCH_CHECK(q.device().is_cpu() && q.is_contiguous() && q.scalar_type() == at::kByte && q.dim() == 3 &&
                   q.size(1) == k && q.size(2) == 8,
@@ -49,48 +48,14 @@ Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int
               side.sizes());
   TORCH_CHECK(out > 0 && out <= 16 * blocks, "out_features must be in 1..", 16 * blocks, ", got ", out);
   const float* s = side.data_ptr<float>();
-  return {q.data_ptr<uint8_t>(), s, s + side.stride(0), blocks, group, out};
+  return {{q.data_ptr<uint8_t>(), s, s + side.stride(0), blocks, group}, out};
 }
 
-// x [M, K] through projections sharing K and group size, each column as torch.ops.kvboost.int4_linear
-// computes it (columns are independent: which projections share a call changes no bit). Returns
-// float [M, sum of 16 * blocks], projection i from column offsets[i]; threads over all their blocks.
+// x [M, K] through the projections `ps` in one call, with the bf16 activations AWQ linears take.
 at::Tensor int4_columns(const at::Tensor& x, const std::vector<Int4Proj>& ps, std::vector<int64_t>& offsets) {
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // AWQ linears take bf16 activations
-  const int64_t m = xb.size(0), k = xb.size(1), group = ps[0].group;
-  std::vector<int64_t> starts{0};
-  offsets.clear();
-  for (const Int4Proj& p : ps) {
-    TORCH_CHECK(p.group == group, "projections computed together must share a group size");
-    offsets.push_back(16 * starts.back());
-    starts.push_back(starts.back() + p.blocks);
-  }
-  const int64_t blocks = starts.back(), ldo = 16 * blocks;
-  at::Tensor out = at::empty({m, ldo}, xb.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  const int64_t level = kvb_level();
-  const bool bf16 = level == kAvx512Bf16;
-  const at::Tensor xf = bf16 ? xb : xb.to(at::kFloat);
-  std::vector<float> xs(bf16 ? m * (k / group) : 0);
-  if (bf16) kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xb.data_ptr()), m, k, group, xs.data());
-  at::parallel_for(0, blocks, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint32_t> strip32(bf16 && m > 4 ? k * 8 : 0);
-    std::vector<float> strip(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
-      if (b0 >= b1) continue;
-      const uint8_t* qp = ps[i].q;
-      const float* sp = ps[i].scales;
-      const float* zp = ps[i].zeros;
-      if (bf16)
-        kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xb.data_ptr()), m, k, qp, sp, zp, group,
-                                    xs.data(), b0, b1, op + offsets[i], ldo, strip32.data());
-      else
-        KVB_BY_LEVEL(level, int4_blocks, xf.data_ptr<float>(), m, k, qp, sp, zp, group, b0, b1, op + offsets[i], ldo,
-                     strip.data());
-    }
-  });
-  return out;
+  std::vector<KvbInt4Weight> ws;
+  for (const Int4Proj& p : ps) ws.push_back(p.w);
+  return kvb_int4_columns(x.to(at::kBFloat16), ws, offsets);
 }
 
 // Projection i's output as AWQInt4Linear returns it: rounded to bf16, then to `dtype`, plus its bias.
@@ -103,20 +68,21 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
   std::vector<int64_t> shape(lead.begin(), lead.end());
   shape.push_back(p.out);
   const int64_t rows = columns.size(0), ld = columns.size(1);
+  at::Tensor y;
   if (rows * p.out > kLoopElements) {  // torch's vectorized casts, the same roundings
-    const at::Tensor y = columns.narrow(1, offset, p.out).to(at::kBFloat16).to(dtype).reshape(shape);
-    return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
-  }
-  at::Tensor y = at::empty(shape, columns.options().dtype(dtype));
-  const float* c = columns.data_ptr<float>() + offset;
-  if (dtype == at::kBFloat16) {
-    auto* o = y.data_ptr<c10::BFloat16>();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = c10::BFloat16(c[r * ld + j]);
+    y = columns.narrow(1, offset, p.out).to(at::kBFloat16).to(dtype).reshape(shape);
   } else {
-    float* o = y.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = static_cast<float>(c10::BFloat16(c[r * ld + j]));
+    y = at::empty(shape, columns.options().dtype(dtype));
+    const float* c = columns.data_ptr<float>() + offset;
+    if (dtype == at::kBFloat16) {
+      auto* o = y.data_ptr<c10::BFloat16>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = c10::BFloat16(c[r * ld + j]);
+    } else {
+      float* o = y.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = static_cast<float>(c10::BFloat16(c[r * ld + j]));
+    }
   }
   return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
 }

@@ -14,6 +14,14 @@
 
 namespace {
 
+enum Level : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// Calls fn of the path for `level` (AVX-512 BF16 runs the AVX-512 kernels except where ops say otherwise).
+#define KVB_BY_LEVEL(level, fn, ...)      \
+  ((level) >= kAvx512 ? kvb_avx512::fn(__VA_ARGS__) \
+   : (level) == kAvx2 ? kvb_avx2::fn(__VA_ARGS__)   \
+                      : kvb_scalar::fn(__VA_ARGS__))
+
 int64_t host_level() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
@@ -35,11 +43,15 @@ int64_t set_level(int64_t wanted) {
 int64_t get_level() { return g_level.load(); }
 int64_t get_host_level() { return host_level(); }
 
-at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
+void check_rows(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.device().is_cpu(), "kvboost kernels run on CPU tensors, got ", x.device());
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+}
+
+at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
+  check_rows(x, k);
   return x.to(at::kFloat).contiguous();
 }
 
@@ -56,29 +68,6 @@ at::Tensor finish(const at::Tensor& out, int64_t n, at::ScalarType dtype) {
   return result.scalar_type() == dtype ? result : result.to(dtype);
 }
 
-// bf16 activations on the AVX-512 BF16 path (its own numerics: see gemm_avx512bf16.cpp).
-at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                            const at::Tensor& zeros, int64_t group, int64_t n) {
-  const int64_t blocks = q.size(0), k = q.size(1);
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "], got ", x.sizes());
-  const at::Tensor xb = x.contiguous();
-  const int64_t m = xb.size(0);
-  at::Tensor out = at::empty({m, 16 * blocks}, xb.options().dtype(at::kFloat));
-  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zeros.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  std::vector<float> xs(m * (k / group));
-  kvb_avx512bf16::group_sums(xp, m, k, group, xs.data());
-  const float* xsp = xs.data();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint32_t> strip(m > 4 ? k * 8 : 0);
-    kvb_avx512bf16::int4_blocks(xp, m, k, qp, sp, zp, group, xsp, b0, b1, op, 16 * blocks, strip.data());
-  });
-  return finish(out, n, x.scalar_type());
-}
-
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
                        int64_t group, int64_t n) {
   check_blocks(q, at::kByte, 8, "qweight");
@@ -89,22 +78,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scales.size(0) == blocks && scales.size(1) == k / group && zeros.sizes() == scales.sizes(),
               "scales and zeros must be [", blocks, ", ", k / group, ", 16], got ", scales.sizes(), " and ",
               zeros.sizes());
-  const int64_t level = get_level();
-  if (level == kAvx512Bf16 && x.scalar_type() == at::kBFloat16) return int4_linear_bf16(x, q, scales, zeros, group, n);
-  const at::Tensor xf = rows_f32(x, k);
-  const int64_t m = xf.size(0);
-  at::Tensor out = at::empty({m, 16 * blocks}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zeros.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> strip(m > KVB_MIN_ROW_TILE ? k * 16 : 0);
-    float* sbuf = strip.data();
-    KVB_BY_LEVEL(level, int4_blocks, xp, m, k, qp, sp, zp, group, b0, b1, op, 16 * blocks, sbuf);
-  });
-  return finish(out, n, x.scalar_type());
+  check_rows(x, k);
+  std::vector<int64_t> offsets;
+  const KvbInt4Weight w{q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), blocks, group};
+  return finish(kvb_int4_columns(x, {w}, offsets), n, x.scalar_type());
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n) {
@@ -287,7 +264,41 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
 
 }  // namespace
 
-int64_t kvb_level() { return get_level(); }
+at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets) {
+  const int64_t k = x.size(1), group = ws.at(0).group, level = get_level();
+  std::vector<int64_t> starts{0};
+  offsets.clear();
+  for (const KvbInt4Weight& w : ws) {
+    TORCH_CHECK(w.group == group, "int4 weights computed together must share a group size");
+    offsets.push_back(16 * starts.back());
+    starts.push_back(starts.back() + w.blocks);
+  }
+  const int64_t blocks = starts.back(), ldo = 16 * blocks;
+  // bf16 activations on the AVX-512 BF16 path: its own numerics (gemm_avx512bf16.cpp); else float32 fmas
+  const bool bf16 = level == kAvx512Bf16 && x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const int64_t m = xc.size(0);
+  at::Tensor out = at::empty({m, ldo}, xc.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  std::vector<float> xs(bf16 ? m * (k / group) : 0);
+  if (bf16) kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, group, xs.data());
+  at::parallel_for(0, blocks, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint32_t> strip_bf16(bf16 && m > 4 ? k * 8 : 0);
+    std::vector<float> strip(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
+    for (size_t i = 0; i < ws.size(); ++i) {  // the blocks of [g0, g1) that belong to weight i
+      const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
+      if (b0 >= b1) continue;
+      const KvbInt4Weight& w = ws[i];
+      if (bf16)
+        kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, w.q, w.scales, w.zeros,
+                                    group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16.data());
+      else
+        KVB_BY_LEVEL(level, int4_blocks, xc.data_ptr<float>(), m, k, w.q, w.scales, w.zeros, group, b0, b1,
+                     op + offsets[i], ldo, strip.data());
+    }
+  });
+  return out;
+}
 
 at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) { return rms_norm(x, scale, eps); }
 

@@ -1,19 +1,24 @@
-// What ops.cpp shares with the other torch-facing translation unit (layer.cpp): the ISA level in effect,
-// the call of a level's kernel, and the ops a decoder layer composes.
+// What ops.cpp shares with the other torch-facing translation unit (layer.cpp): the ops a decoder layer
+// composes.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "kvboost_kernels.h"
 
-enum KvbLevel : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+// An int4 weight in the kernels' layout (kvboost_kernels.h): NB = `blocks` column blocks, group size `group`.
+struct KvbInt4Weight {
+  const uint8_t* q;
+  const float* scales;
+  const float* zeros;
+  int64_t blocks, group;
+};
 
-// Calls fn of the path for `level` (AVX-512 BF16 runs the AVX-512 kernels except where ops say otherwise).
-#define KVB_BY_LEVEL(level, fn, ...)      \
-  ((level) >= kAvx512 ? kvb_avx512::fn(__VA_ARGS__) \
-   : (level) == kAvx2 ? kvb_avx2::fn(__VA_ARGS__)   \
-                      : kvb_scalar::fn(__VA_ARGS__))
-
-int64_t kvb_level();  // the ISA path in effect (set_isa_level)
+// x [M, K] (CPU, checked by the caller) through int4 weights sharing K and group size, as
+// torch.ops.kvboost.int4_linear computes each column (columns are independent: which weights share a call
+// changes no bit): float [M, sum of 16 * blocks], weight i from column offsets[i]; threads over all blocks.
+at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets);
 
 // torch.ops.kvboost.rms_norm: the result in x's dtype.
 at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps);

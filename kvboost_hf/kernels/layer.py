@@ -119,10 +119,21 @@ class LayerArguments:
     window: str | None  # LayerForm.window
     bias_dtypes: frozenset  # the projections' bias dtypes: each must be the activations' (else torch promotes)
 
+    def inputs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple:
+        """``torch.ops.kvboost.layer_attention_inputs``' arguments for ``hidden`` and RoPE's ``cos``/``sin``."""
+        q_norm, k_norm, head_eps = self.head_norms or (None, None, 0.0)
+        return (hidden, self.norms[0], self.eps, self.qweights[:3], self.sides[:3], self.outs[:3], self.groups[:3],
+                self.biases[:3], q_norm, k_norm, head_eps, cos, sin, head_dim)
+
+    def output(self, residual: torch.Tensor, attn: torch.Tensor) -> tuple:
+        """``torch.ops.kvboost.layer_output``'s arguments for the layer's input ``residual`` and attention output."""
+        return (residual, attn, self.qweights[3:], self.sides[3:], self.outs[3:], self.groups[3:], self.biases[3:],
+                self.norms[1], self.norms[2], self.norms[3], self.eps, self.activation)
+
 
 def layer_arguments(layer: nn.Module) -> LayerArguments | None:
     """The ops' arguments for ``layer`` as it stands now, or None where the ops would not reproduce it."""
-    form = FORMS.get(_base_name(layer))
+    form = FORMS.get(type(layer).__name__)  # a fused layer's class keeps its name
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if (form is None or type(attn).__name__ != form.attention or type(mlp).__name__ != form.mlp
             or layer.training or attn.training or mlp.training
@@ -160,11 +171,6 @@ def layer_arguments(layer: nn.Module) -> LayerArguments | None:
                           frozenset(b.dtype for b in biases if b is not None))
 
 
-def _base_name(layer: nn.Module) -> str:
-    cls = type(layer)
-    return cls.__bases__[-1].__name__ if issubclass(cls, KernelLayerMixin) else cls.__name__
-
-
 class KernelLayerMixin:
     """The forward of a fused decoder layer (mixed into the layer's own class by :func:`fuse_layers`)."""
 
@@ -178,10 +184,7 @@ class KernelLayerMixin:
         attention_mask = kwargs.pop("attention_mask", None)
         past_key_values = kwargs.pop("past_key_values", None)
         kwargs["position_ids"] = kwargs.get("position_ids")
-        q_norm, k_norm, head_eps = a.head_norms or (None, None, 0.0)
-        q, k, v = torch.ops.kvboost.layer_attention_inputs(
-            hidden_states, a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3], a.groups[:3], a.biases[:3],
-            q_norm, k_norm, head_eps, cos, sin, attn.head_dim)
+        q, k, v = torch.ops.kvboost.layer_attention_inputs(*a.inputs(hidden_states, cos, sin, attn.head_dim))
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
         if a.window == "layer":  # as each class's attention passes it (LayerForm.window)
@@ -192,9 +195,7 @@ class KernelLayerMixin:
         if weights is not None:  # output capture (the only hooks a fused layer's attention may have) takes them
             for hook in list(attn._forward_hooks.values()):
                 hook(attn, (), (None, weights))
-        return torch.ops.kvboost.layer_output(
-            hidden_states, out, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:], a.biases[3:], a.norms[1],
-            a.norms[2], a.norms[3], a.eps, a.activation)
+        return torch.ops.kvboost.layer_output(*a.output(hidden_states, out))
 
     def _attention_function(self, hidden_states: torch.Tensor, kwargs: dict):
         """transformers' attention function this call's layer runs, or None where the ops do not take this call."""
@@ -275,10 +276,9 @@ def fuse_layers(model: nn.Module) -> int:
         return 0
     fused = 0
     for module in model.modules():
-        if type(module).__name__ in FORMS and not isinstance(module, KernelLayerMixin):
-            module.__class__ = _fused_class(type(module))
-            fused += 1
-        elif isinstance(module, KernelLayerMixin):
+        if type(module).__name__ in FORMS:
+            if not isinstance(module, KernelLayerMixin):
+                module.__class__ = _fused_class(type(module))
             fused += 1
     if fused:
         logger.info("%s: %d decoder layers on the fused layer ops", type(model).__name__, fused)

@@ -54,14 +54,18 @@ class AWQInt4Linear(nn.Module):
         """The bits this linear computes, for the store namespace (``models.fingerprint.module_numerics``)."""
         return self.kernel.numerics
 
+    def packed_weight(self) -> torch.Tensor | None:
+        """The packed weight this linear computes with now: its staging slot's while streamed, else its own."""
+        return self.staged_weight if self.streamed else self.int4_weight
+
     def kernel_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(packed, side)``: the weight this linear computes with now, where that is kvboost_hf's int4 kernel
         (for :mod:`kvboost_hf.kernels.layer`, which then computes it as :meth:`forward` does); else None."""
-        packed = self.staged_weight if self.streamed else self.int4_weight
+        packed = self.packed_weight()
         return None if packed is None or not isinstance(self.kernel, KvboostInt4) else (packed, self.int4_scales_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.staged_weight if self.streamed else self.int4_weight
+        packed = self.packed_weight()
         if packed is None:
             raise RuntimeError(
                 "streamed AWQ weight used outside its decoder layer's forward (no staging slot holds it)"

@@ -161,22 +161,17 @@ def test_the_layer_ops_refuse_bad_arguments(tiny_awq, kernels_built):
     hidden = torch.randn(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
     head_dim = model.config.head_dim
     cos = torch.ones(1, 3, head_dim, dtype=torch.bfloat16)
-    q_norm, k_norm, head_eps = a.head_norms
+    wrong_sides = list(a.inputs(hidden, cos, cos, head_dim))
+    wrong_sides[4] = [a.sides[1]] * 3
     with pytest.raises(RuntimeError, match="scales/zeros must be float32"):
-        torch.ops.kvboost.layer_attention_inputs(hidden, a.norms[0], a.eps, a.qweights[:3], [a.sides[1]] * 3,
-                                                 a.outs[:3], a.groups[:3], a.biases[:3], q_norm, k_norm, head_eps,
-                                                 cos, cos, head_dim)
+        torch.ops.kvboost.layer_attention_inputs(*wrong_sides)
     with pytest.raises(RuntimeError, match="cos and sin must be"):
-        torch.ops.kvboost.layer_attention_inputs(hidden, a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3],
-                                                 a.groups[:3], a.biases[:3], q_norm, k_norm, head_eps, cos.float(),
-                                                 cos.float(), head_dim)
+        torch.ops.kvboost.layer_attention_inputs(*a.inputs(hidden, cos.float(), cos.float(), head_dim))
     attn = torch.randn(1, 3, a.outs[0] // head_dim, head_dim, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="activation must be"):
-        torch.ops.kvboost.layer_output(hidden, attn, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:],
-                                       a.biases[3:], a.norms[1], a.norms[2], a.norms[3], a.eps, "relu")
+        torch.ops.kvboost.layer_output(*a.output(hidden, attn)[:-1], "relu")
     hidden.requires_grad_(True)
-    out = torch.ops.kvboost.layer_output(hidden, attn, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:],
-                                         a.biases[3:], a.norms[1], a.norms[2], a.norms[3], a.eps, a.activation)
+    out = torch.ops.kvboost.layer_output(*a.output(hidden, attn))
     with pytest.raises(RuntimeError, match="not implemented"):
         out.float().sum().backward()
 
@@ -192,17 +187,12 @@ def test_a_rows_bits_do_not_depend_on_how_many_rows_a_layer_op_computes(dtype, t
     hidden = torch.randn(1, rows, model.config.hidden_size, generator=gen).to(dtype)
     angles = torch.randn(1, rows, head_dim, generator=gen)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    q_norm, k_norm, head_eps = a.head_norms
 
     def inputs(i, j):
-        return torch.ops.kvboost.layer_attention_inputs(
-            hidden[:, i:j], a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3], a.groups[:3], a.biases[:3],
-            q_norm, k_norm, head_eps, cos[:, i:j], sin[:, i:j], head_dim)
+        return torch.ops.kvboost.layer_attention_inputs(*a.inputs(hidden[:, i:j], cos[:, i:j], sin[:, i:j], head_dim))
 
     def output(i, j, attn):
-        return torch.ops.kvboost.layer_output(hidden[:, i:j], attn, a.qweights[3:], a.sides[3:], a.outs[3:],
-                                              a.groups[3:], a.biases[3:], a.norms[1], a.norms[2], a.norms[3], a.eps,
-                                              a.activation)
+        return torch.ops.kvboost.layer_output(*a.output(hidden[:, i:j], attn))
 
     whole = inputs(0, rows)
     attn = whole[0].transpose(1, 2).contiguous()  # any [B, M, H, D] tensor of the right shape
@@ -260,12 +250,8 @@ def test_the_layer_ops_pass_torchs_custom_op_checks(tiny_awq, kernels_built):
     gen = torch.Generator().manual_seed(16)
     hidden = torch.randn(2, 3, model.config.hidden_size, generator=gen).to(torch.bfloat16)
     cos = torch.randn(1, 3, head_dim, generator=gen).to(torch.bfloat16)
-    q_norm, k_norm, head_eps = a.head_norms
-    inputs = (hidden, a.norms[0], a.eps, a.qweights[:3], a.sides[:3], a.outs[:3], a.groups[:3], a.biases[:3], q_norm,
-              k_norm, head_eps, cos, cos, head_dim)
     attn = torch.randn(2, 3, a.outs[0] // head_dim, head_dim, generator=gen).to(torch.bfloat16)
-    output = (hidden, attn, a.qweights[3:], a.sides[3:], a.outs[3:], a.groups[3:], a.biases[3:], a.norms[1], a.norms[2],
-              a.norms[3], a.eps, a.activation)
+    inputs, output = a.inputs(hidden, cos, cos, head_dim), a.output(hidden, attn)
     for op, args in ((torch.ops.kvboost.layer_attention_inputs.default, inputs),
                      (torch.ops.kvboost.layer_output.default, output)):
         assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
