@@ -11,6 +11,7 @@ namespace {
 
 constexpr int64_t kRowTile = 6;
 constexpr int64_t kNkRowTile = kRowTile;
+constexpr int64_t kNkPairRows = 0;  // two weight rows per pass spill (a V16 is 2 of 16 registers): 1.4x slower
 constexpr int kSmallBlocks = 2;
 
 struct V16 {

@@ -9,7 +9,8 @@ namespace kvb_avx512 {
 namespace {
 
 constexpr int64_t kRowTile = KVB_MAX_ROW_TILE;
-constexpr int64_t kNkRowTile = 9;  // 9 x + 18 accumulators + 2 weights in 32 registers
+constexpr int64_t kNkRowTile = 9;  // a 9-row verification in one pass
+constexpr int64_t kNkPairRows = 6;  // 2 weight rows: 18 accumulators + 2 weights + x in 32 registers
 constexpr int kSmallBlocks = 4;
 
 struct V16 {
