@@ -1,7 +1,11 @@
 """kvboost_hf's CPU GEMM kernels against torch's int4 kernel and dense bf16/fp32 matmuls, per ISA path.
 
 Each path runs in its own process with ``ATEN_CPU_CAPABILITY`` set to match (so torch's kernels take
-the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. Per process, interleaved, medians of ``--reps``:
+the same ISA) and ``KVBOOST_HF_KERNEL_ISA`` for ours. oneDNN, which runs torch's bf16 matmuls, reads
+``ONEDNN_MAX_CPU_ISA`` instead: the avx512 and avx2 processes set it (``AVX512_CORE``, ``AVX2``) so
+the float baselines run as on a host of that class (torch then takes oneDNN's AVX-512 bf16 emulation,
+or on AVX2 its own bf16 GEMM, as it does on such hosts); ``--native-onednn`` leaves oneDNN at this
+host's best (the avx512_bf16 process always does). Per process, interleaved, medians of ``--reps``:
 
 - a bandwidth probe (sum over a 512 MB tensor) giving the floor for each weight read;
 - Gemma-3-270M's layer shapes at M = 1, 4, 9, 16, 64, 256 rows: kvboost int4 (group 128), torch int4,
@@ -39,6 +43,7 @@ from _common import DOCS_BENCH, environment, median, write_json  # noqa: E402
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
 TORCH_CAPABILITY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "default"}
+ONEDNN_ISA = {"avx512": "AVX512_CORE", "avx2": "AVX2", "scalar": "SSE41"}  # a host of the path's class
 
 
 def bandwidth_gbs(reps: int) -> float:
@@ -212,6 +217,8 @@ def worker(reps: int) -> dict:
     if not status.built:
         raise SystemExit(f"kernels not built: {status.reason}")
     return {"isa": status.isa, "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "host"),
+            "torch_bf16_on_onednn": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "bandwidth_gbs": bandwidth_gbs(reps), "layers": layer_rows(reps), "model": whole_model(reps)}
 
 
@@ -219,6 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--paths", default="avx512_bf16,avx512,avx2")
+    parser.add_argument("--native-onednn", action="store_true",
+                        help="float baselines on this host's best oneDNN ISA on every path")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -227,6 +236,9 @@ def main() -> None:
     results = {}
     for path in args.paths.split(","):
         env = {**os.environ, "ATEN_CPU_CAPABILITY": TORCH_CAPABILITY[path], "KVBOOST_HF_KERNEL_ISA": path}
+        env.pop("ONEDNN_MAX_CPU_ISA", None)
+        if path in ONEDNN_ISA and not args.native_onednn:
+            env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[path]
         done = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(args.reps)], env=env, check=True,
                               capture_output=True, text=True)
         results[path] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -236,7 +248,8 @@ def main() -> None:
 
 
 def report(path: str, r: dict) -> None:
-    print(f"== path {r['isa']} (torch {r['torch_capability']}), bandwidth {r['bandwidth_gbs']:.1f} GB/s")
+    print(f"== path {r['isa']} (torch {r['torch_capability']}, oneDNN {r['onednn_max_isa']}, torch bf16 on oneDNN: "
+          f"{r['torch_bf16_on_onednn']}), bandwidth {r['bandwidth_gbs']:.1f} GB/s")
     for name, row in r["layers"].items():
         print(f"{name:32s} " + "  ".join(f"{k} {v:8.3f}" for k, v in row.items() if not k.endswith("bytes")))
     for name, row in r["model"]["ms"].items():
