@@ -150,10 +150,11 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint32_t* stri
 // accumulates k = 32c + 2j + 1 then 32c + 2j (one vdpbf16ps), chunks in order; then the fp32 paths'
 // fixed tree over the 16 lanes. Up to 9 rows per pass (a verification's); from kPairRows rows on, two
 // weight rows per pass (each x load then feeds two vdpbf16ps: a pass of one is bound by its loads).
-// The weights stream from DRAM; a pass computes long enough per weight row that the hardware
-// prefetcher falls behind, so every pass prefetches the row kAheadL2 rows ahead into L2, and passes
-// of two weight rows also kAheadL1 rows ahead into L1. Measured on the 262k x 640 head (2 threads,
-// against 11 ms for one row without prefetching): 9 rows 25 -> 12.7 ms, 4 rows 14.3 -> 11.4 ms.
+// The weights stream from DRAM; a pass of two weight rows computes long enough per weight row that
+// the hardware prefetcher falls behind, so it prefetches them kAheadL2 rows ahead into L2 and kAheadL1
+// into L1 (one-weight-row passes, 1-3 rows, are at the bandwidth limit and measured slower with it).
+// Measured on the 262k x 640 head (2 threads, ~11 ms for one row): 9 rows 25 -> 12.7 ms, 4 rows
+// 14.3 -> 11.4 ms.
 constexpr int kPairRows = 4;
 constexpr int64_t kAheadL1 = 4, kAheadL2 = 16;
 
@@ -172,8 +173,10 @@ inline void tile_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t*
   for (int64_t i = 0; i < k; i += 32) {
     __m512bh wv[NW];
     for (int c = 0; c < NW; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (kAheadL2 + c) * k + i), _MM_HINT_T1);
-      if (NW > 1) _mm_prefetch(reinterpret_cast<const char*>(w + (kAheadL1 + c) * k + i), _MM_HINT_T0);
+      if (NW > 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (kAheadL2 + c) * k + i), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (kAheadL1 + c) * k + i), _MM_HINT_T0);
+      }
       wv[c] = (__m512bh)_mm512_loadu_si512(w + c * k + i);
     }
     for (int r = 0; r < MR; ++r) {
