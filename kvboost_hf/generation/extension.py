@@ -49,6 +49,7 @@ _registry: dict[str, GenerateExtension | Callable[[], GenerateExtension]] = {}
 _resolved: dict[str, GenerateExtension] = {}
 _lock = threading.Lock()
 _active: contextvars.ContextVar[tuple[GenerateSession, ...]] = contextvars.ContextVar("kvboost_sessions", default=())
+_call_cache: contextvars.ContextVar[Any] = contextvars.ContextVar("kvboost_call_cache", default=None)
 
 
 def register_extension(name: str, extension: GenerateExtension | Callable[[], GenerateExtension]) -> None:
@@ -92,3 +93,17 @@ def deactivate(token: contextvars.Token) -> None:
 def active_sessions() -> tuple[GenerateSession, ...]:
     """The sessions of the generate call running in this context."""
     return _active.get()
+
+
+def call_cache() -> Any:
+    """While a session's :meth:`~GenerateSession.candidate_generator` is asked: the call's
+    ``past_key_values`` (which the prompt prefill fills before assisted decoding's first round), or None."""
+    return _call_cache.get()
+
+
+def set_call_cache(cache: Any) -> contextvars.Token:
+    return _call_cache.set(cache)
+
+
+def reset_call_cache(token: contextvars.Token) -> None:
+    _call_cache.reset(token)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvboost_hf.generation.extension import active_sessions
+from kvboost_hf.generation.extension import active_sessions, reset_call_cache, set_call_cache
 from kvboost_hf.generation.wrapper import generate_with_reuse
 from kvboost_hf.reuse import STATE_ATTR
 
@@ -51,9 +51,13 @@ class ReuseGenerateMixin:
         (:mod:`kvboost_hf.generation.extension`); HF's own when none does."""
         generator = super()._get_candidate_generator(generation_config, input_ids, *args, **kwargs)
         named = {**dict(zip(_CANDIDATE_ARGS, args)), **kwargs}
-        for session in active_sessions():
-            generator = session.candidate_generator(self, generator, generation_config, input_ids,
-                                                    named.get("logits_processor"), named.get("target_tokenizer"))
+        token = set_call_cache((named.get("model_kwargs") or {}).get("past_key_values"))
+        try:
+            for session in active_sessions():
+                generator = session.candidate_generator(self, generator, generation_config, input_ids,
+                                                        named.get("logits_processor"), named.get("target_tokenizer"))
+        finally:
+            reset_call_cache(token)
         return generator
 
     def __reduce_ex__(self, protocol):

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from kvboost_hf.cache import ReuseStats
+from kvboost_hf.generation.extension import call_cache
 from kvboost_hf.models.target import target_model
 from kvboost_hf.reuse import ReuseState, reuse_state
 from kvboost_hf.speculative import request as speculation
@@ -32,7 +33,8 @@ class SpeculationSession:
 
     def candidate_generator(self, model, generator, generation_config, input_ids, logits_processor, tokenizer):
         return speculation.candidate_generator(model, self.request, generator, generation_config,
-                                               logits_processor=logits_processor, tokenizer=tokenizer)
+                                               logits_processor=logits_processor, tokenizer=tokenizer,
+                                               target_cache=call_cache())
 
     def finish(self, output, stats: ReuseStats | None) -> None:
         """Store the draft's confirmed K/V, attach the request's speculation stats to its reuse stats,

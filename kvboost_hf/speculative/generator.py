@@ -24,6 +24,7 @@ from kvboost_hf.speculative.verify_head import measuring_seconds
 
 class Proposer(Protocol):
     name: str
+    takes_prompt_from_target: bool  # waits for the target's prefill to take its prompt K/V from
 
     def propose(self, input_ids: torch.LongTensor, k: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """``input_ids`` followed by at most ``k`` draft tokens, and the draft's logits (or None)."""
@@ -38,6 +39,8 @@ class Proposer(Protocol):
 
 class FixedProposer:
     """An HF candidate generator used as is (it picks its own draft length): telemetry only."""
+
+    takes_prompt_from_target = False
 
     def __init__(self, inner: CandidateGenerator, name: str) -> None:
         self.inner, self.name = inner, name
@@ -77,8 +80,10 @@ class MeasuredCandidateGenerator(CandidateGenerator):
 
         if self.controller is None:
             k = room
-        elif self.exact_rows and self.stats.rounds == 0:
-            k = 0  # a round-0 draft would ride on the prompt prefill, which plain decoding batches
+        elif self.stats.rounds == 0 and (self.exact_rows or self.proposer.takes_prompt_from_target):
+            # A round-0 draft would ride on the prompt prefill, which plain decoding batches (row-exact
+            # targets), or make a self-draft forward the prompt it can take from the target's prefill.
+            k = 0
             self.stats.record_choice(k)
         else:
             k = min(self.controller.choose(unseen, room), room)

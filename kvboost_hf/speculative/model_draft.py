@@ -18,6 +18,7 @@ from kvboost_hf.cache import ChunkReuseCache
 from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.reuse import commit_request, reuse_state
+from kvboost_hf.speculative.shared_prompt import prompt_donor
 from kvboost_hf.store.index import common_prefix_length
 from kvboost_hf.store.scope import CacheScope
 
@@ -28,7 +29,7 @@ class ModelProposer:
     """Drafts ``k`` tokens with an assistant model through HF's generator (``k = 0``: no draft call)."""
 
     def __init__(self, inner: AssistedCandidateGenerator, name: str = "model", owns_length: bool = True,
-                 scope: CacheScope | None = None) -> None:
+                 scope: CacheScope | None = None, target=None, target_cache=None) -> None:
         self.name = name
         self.inner = inner
         if owns_length:
@@ -49,8 +50,29 @@ class ModelProposer:
             self.cache.scope = scope  # the draft's prefill reads and feeds the request's own entries only
             self.cache.activate_past_recording()
             inner.assistant_kwargs["past_key_values"] = self.cache
+        # A self-draft of the target starts from the target's prompt K/V (shared_prompt.py).
+        self.donor = None if target is None else prompt_donor(target, inner.assistant_model, target_cache, self.cache)
+        self.given = 0  # prompt tokens whose K/V the target gave
+
+    @property
+    def takes_prompt_from_target(self) -> bool:
+        """Whether the draft waits for the target's prefill to take its prompt K/V from (round 0 should not
+        draft: the draft would have to forward the whole prompt itself)."""
+        return self.donor is not None and self.donor.cache.get_seq_length() == 0
+
+    def _take_prompt(self, input_ids: torch.LongTensor) -> None:
+        if self.donor is None:
+            return
+        if self.cache.get_seq_length() or self.cache.request is not None:
+            self.donor = None  # the draft began on its own: its cache is its own from here
+            return
+        self.given = self.donor.give(self.cache, input_ids)
+        if self.given:
+            self.donor = None
+            logger.debug("the draft took %d prompt tokens' K/V from the target's cache", self.given)
 
     def propose(self, input_ids: torch.LongTensor, k: int):
+        self._take_prompt(input_ids)
         self.inner.num_assistant_tokens = k
         return self.inner.get_candidates(input_ids)
 
@@ -60,6 +82,7 @@ class ModelProposer:
     def unseen(self, input_ids: torch.LongTensor) -> int:
         """Tokens the assistant must forward before drafting: those it has no K/V for yet, less (before
         its first round) the prompt prefix the store holds for it, which is loaded, not computed."""
+        self._take_prompt(input_ids)
         cache = self.inner.assistant_kwargs.get("past_key_values")
         held = cache.get_seq_length() if cache is not None else 0
         if held == 0 and self.cache is not None and self.cache.store is not None:

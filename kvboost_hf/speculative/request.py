@@ -159,11 +159,13 @@ def _enable_reuse_on(model: torch.nn.Module, draft: torch.nn.Module) -> None:
 
 
 def candidate_generator(model: torch.nn.Module, request: SpeculationRequest, generator: CandidateGenerator,
-                        generation_config, logits_processor: list | None = None, tokenizer=None) -> CandidateGenerator:
+                        generation_config, logits_processor: list | None = None, tokenizer=None,
+                        target_cache=None) -> CandidateGenerator:
     """The generator generate() uses for ``request`` (``generator`` is HF's choice).
 
-    ``logits_processor`` is the list the assisted loop applies (HF's, warpers included) and
-    ``tokenizer`` generate's ``tokenizer=``. For our drafts, a sampled request is turned into greedy
+    ``logits_processor`` is the list the assisted loop applies (HF's, warpers included),
+    ``tokenizer`` generate's ``tokenizer=`` and ``target_cache`` the call's cache (a self-draft of
+    ``model`` starts from its prompt K/V). For our drafts, a sampled request is turned into greedy
     decoding of position-seeded Gumbel-perturbed scores (:mod:`.seeded`), and proposals are cut at
     stop strings and grammar constraints (:mod:`.draft_limits`)."""
     limits = None
@@ -178,7 +180,7 @@ def candidate_generator(model: torch.nn.Module, request: SpeculationRequest, gen
             generator.generation_config.stop_strings = None
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
         proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive,
-                                 scope=request.scope)
+                                 scope=request.scope, target=model, target_cache=target_cache)
     elif request.kind in LOOKUP_DRAFTS:
         store_index = LazyStoreNgrams(lambda: _store_index(model, request.scope)) if request.kind == "store" else None
         proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))
@@ -217,6 +219,7 @@ def finish(request: SpeculationRequest, output) -> None:
     sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
     if sequences is None:
         return
+    request.stats.draft_given_tokens = getattr(proposer, "given", 0)
     draft_cache = proposer.finish(sequences)
     if draft_cache is not None and draft_cache.stats is not None:
         request.stats.draft_reused_tokens = draft_cache.stats.reused_tokens

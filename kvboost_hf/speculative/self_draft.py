@@ -31,6 +31,7 @@ from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms
 from kvboost_hf.reuse import STATE_ATTR
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
+from kvboost_hf.speculative.shared_prompt import record_source
 from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
 from kvboost_hf.streaming.fused import fuse_projections
 from kvboost_hf.streaming.linear import AWQInt4Linear
@@ -107,6 +108,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
                         + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
     draft.eval()
+    record_source(draft, model)  # its first round starts from the target's prompt K/V (shared_prompt.py)
     return draft
 
 

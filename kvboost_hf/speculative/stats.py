@@ -32,6 +32,7 @@ class SpeculationStats:
     off_reason: str = ""
     draft_reused_tokens: int = 0
     draft_prompt_tokens: int = 0
+    draft_given_tokens: int = 0  # prompt tokens whose K/V a self-draft took from the target's cache
 
     @property
     def acceptance_rate(self) -> float:

@@ -85,7 +85,9 @@ def test_adaptive_first_round_is_plain(reuse):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_draft_prefill_comes_from_the_store_and_rejected_tokens_never_reach_it(family, reuse):
     model = make_tiny(family)
-    draft = make_draft(model, bits=4, layers=1)  # a weak draft: many rejected candidates
+    # A weak draft (many rejected candidates) of a twin: a self-draft of `model` itself would take its
+    # prompt from model's cache and store nothing (test_shared_prompt.py).
+    draft = make_draft(make_tiny(family), bits=4, layers=1)
     store = reuse(model, chunk_size=4)
     ids = random_ids(26, 7)
     first = model.generate(ids, max_new_tokens=12, do_sample=False, draft=draft, speculation=ALWAYS)
@@ -149,6 +151,7 @@ class _CatchingUpProposer:
     """A model-draft stand-in: proposing forwards every token it had not seen yet."""
 
     name = "stand-in"
+    takes_prompt_from_target = False
 
     def __init__(self) -> None:
         self.seen = 0

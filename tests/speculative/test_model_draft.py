@@ -47,7 +47,7 @@ def test_adaptive_rounds_draft_what_the_controller_chose(reuse):
 def test_a_stored_draft_prompt_is_not_catch_up(reuse):
     target = make_tiny("llama", seed=2)
     store = reuse(target, chunk_size=8)
-    draft = make_draft(target, bits=8)
+    draft = make_draft(make_tiny("llama", seed=2), bits=8)  # a twin's: a self-draft takes its prompt from target
     ids = random_ids(43, 7)
     always = ControllerSettings(adaptive=False, max_tokens=3, start_tokens=1, probe_tokens=1)
     target.generate(ids, max_new_tokens=5, do_sample=False, draft=draft, speculation=always)
