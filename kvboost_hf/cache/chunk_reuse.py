@@ -153,6 +153,10 @@ class ReuseSlidingLayer(DynamicSlidingWindowLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized and not self.pending:
+            # Nothing to crop; transformers 5.23's sliding crop of an empty layer reads keys.shape of
+            # None (assisted decoding crops a draft's empty cache when the prompt is one token).
+            return
         self.flush()
         super().crop(tokens_to_remove)
         if self.capture:

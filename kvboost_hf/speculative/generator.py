@@ -24,7 +24,7 @@ from kvboost_hf.speculative.verify_head import measuring_seconds
 
 class Proposer(Protocol):
     name: str
-    takes_prompt_from_target: bool  # waits for the target's prefill to take its prompt K/V from
+    takes_prompt_from_target: bool  # waits for the target's prefill to take its prompt K/V from (optional)
 
     def propose(self, input_ids: torch.LongTensor, k: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """``input_ids`` followed by at most ``k`` draft tokens, and the draft's logits (or None)."""
@@ -80,7 +80,7 @@ class MeasuredCandidateGenerator(CandidateGenerator):
 
         if self.controller is None:
             k = room
-        elif self.stats.rounds == 0 and (self.exact_rows or self.proposer.takes_prompt_from_target):
+        elif self.stats.rounds == 0 and (self.exact_rows or getattr(self.proposer, "takes_prompt_from_target", False)):
             # A round-0 draft would ride on the prompt prefill, which plain decoding batches (row-exact
             # targets), or make a self-draft forward the prompt it can take from the target's prefill.
             k = 0

@@ -41,6 +41,19 @@ def test_a_self_draft_takes_the_prompt_from_its_target(family, layers, reuse):
     assert store.token_chains(namespace(model))
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_prompts_too_short_to_give_are_decoded_exactly(family, n, reuse):
+    """A one-token prompt gives the draft nothing: its first crop is of an empty sliding layer."""
+    model = make_tiny(family, seed=3)
+    reuse(model, chunk_size=4)
+    draft = make_draft(model, bits=8)
+    ids = random_ids(n, 100 + n)
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, draft=draft, speculation=ALWAYS), plain)
+    assert last_request_stats(model).speculation.draft_given_tokens == n - 1
+
+
 def test_a_seeded_sampled_reply_does_not_depend_on_where_the_draft_prompt_came_from(reuse):
     model = make_tiny("gemma3", seed=3)
     reuse(model, chunk_size=4)
