@@ -17,6 +17,8 @@ def refusal(cache: ChunkReuseCache, kwargs: dict, input_ids: torch.Tensor) -> st
     """Why this request can neither reuse nor be stored ('' when it can)."""
     if cache.store is None:
         return "cache has no store"
+    if not cache.layers:  # transformers adds them lazily: nothing could be loaded into them now
+        return "ChunkReuseCache built without the model's config: pass it (ChunkReuseCache(model.config, store))"
     if not cache.supports_reuse:
         return "model has cache layers other than full / sliding attention"
     if cache.get_seq_length() and not cache.num_tokens:

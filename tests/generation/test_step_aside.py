@@ -108,3 +108,17 @@ def test_integral_float_budgets_are_accepted_and_others_refused():
     assert store.max_bytes == 2_000_000_000 and isinstance(store.max_bytes, int) and store.chunk_size == 128
     with pytest.raises(ValueError, match="max_bytes"):
         ChunkStore(2.5)
+
+
+def test_a_cache_without_the_models_config_neither_reuses_nor_stores(tiny):
+    """Its layers appear only inside the first forward: a warm lookup had nowhere to load into, yet
+    recorded the tokens as held (a wrong continuation). It steps aside, and says why."""
+    store = ChunkStore(max_bytes=10**8, chunk_size=8)
+    enable_chunk_reuse(tiny, store)
+    ids = random_ids(30, 5)
+    expected = tiny.generate(ids, **GREEDY)  # stores the prompt under the model's namespace
+    for _ in range(2):
+        out = tiny.generate(ids, past_key_values=ChunkReuseCache(None, store), **GREEDY)
+        assert torch.equal(out, expected)
+        stats = last_request_stats(tiny)
+        assert stats.reused_tokens == 0 and "without the model's config" in stats.reason
