@@ -151,12 +151,11 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint32_t* stri
 // fixed tree over the 16 lanes. Up to 9 rows per pass (a verification's); from kPairRows rows on, two
 // weight rows per pass (each x load then feeds two vdpbf16ps: a pass of one is bound by its loads).
 // The weights stream from DRAM; a pass of two weight rows computes long enough per weight row that
-// the hardware prefetcher falls behind, so it prefetches them kAheadL2 rows ahead into L2 and kAheadL1
-// into L1 (one-weight-row passes, 1-3 rows, are at the bandwidth limit and measured slower with it).
-// Measured on the 262k x 640 head (2 threads, ~11 ms for one row): 9 rows 25 -> 12.7 ms, 4 rows
-// 14.3 -> 11.4 ms.
+// the hardware prefetcher falls behind, so it prefetches them KVB_NK_AHEAD_L2 rows ahead into L2 and
+// KVB_NK_AHEAD_L1 into L1 (one-weight-row passes, 1-3 rows, are at the bandwidth limit and measured
+// slower with it). Measured on the 262k x 640 head (2 threads, ~11 ms for one row): 9 rows 25 -> 12.7
+// ms, 4 rows 14.3 -> 11.4 ms.
 constexpr int kPairRows = 4;
-constexpr int64_t kAheadL1 = 4, kAheadL2 = 16;
 
 inline float tree(__m512 v) {
   const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -174,8 +173,8 @@ inline void tile_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t*
     __m512bh wv[NW];
     for (int c = 0; c < NW; ++c) {
       if (NW > 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (kAheadL2 + c) * k + i), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (kAheadL1 + c) * k + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (KVB_NK_AHEAD_L2 + c) * k + i), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (KVB_NK_AHEAD_L1 + c) * k + i), _MM_HINT_T0);
       }
       wv[c] = (__m512bh)_mm512_loadu_si512(w + c * k + i);
     }
@@ -243,6 +242,16 @@ void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* x
 // up and down projections at 9 rows from DRAM: 8.2 -> 5.7 ms against the strip); without it, 4.
 constexpr int64_t kFusedRows[2] = {4, 12};
 
+// Whether this host decodes a group's codes with VBMI (Cooper Lake has BF16 without VBMI).
+static bool decodes_with_vbmi(int64_t group) {
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  return vbmi && group % 8 == 0;
+}
+
+int64_t strip_words(int64_t m, int64_t k, int64_t group) {
+  return m > kFusedRows[decodes_with_vbmi(group)] ? k * 8 : 0;
+}
+
 // One block (two or four for one or two rows), `b` advanced past all but the last; m <= kFusedRows[VBMI].
 template <bool VBMI>
 void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_t qstride, const float* sb,
@@ -282,11 +291,10 @@ void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
   if (m <= 0) return;  // no rows: the row tiles below assume at least one
-  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
   static const VbmiCodes codes;
   const int64_t groups = k / group, qstride = k * 8, sstride = groups * 16;
   const __m512i table = code_table();
-  const bool decode4 = vbmi && group % 8 == 0;
+  const bool decode4 = decodes_with_vbmi(group);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qb = q + b * qstride;
     const float* sb = scales + b * sstride;

@@ -77,8 +77,10 @@ KVB_DECLARE_ISA(kvb_avx2)
 KVB_DECLARE_ISA(kvb_avx512)
 
 // The AVX-512 BF16 path: bf16 activations (bits as uint16), its own numerics (gemm_avx512bf16.cpp);
-// `strip` holds K * 8 uint32 (a block's K x 16 codes as bf16 pairs).
+// `strip` holds strip_words(m, k, group) uint32 (a block's K x 16 codes as bf16 pairs, or none where
+// the rows are few enough to decode the codes in registers).
 namespace kvb_avx512bf16 {
+int64_t strip_words(int64_t m, int64_t k, int64_t group);
 // xs: per row and group, the pair sum of x (group_sums), computed once per call.
 void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* xs);
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
@@ -93,3 +95,8 @@ void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64
 // when the rows span more than one row tile; no path uses more rows per tile than this.
 constexpr int64_t KVB_MAX_ROW_TILE = 8;
 constexpr int64_t KVB_MIN_ROW_TILE = 4;
+
+// Row-major weights stream from DRAM: the passes that prefetch them (gemm_body.inc's tile_nk,
+// gemm_avx512bf16.cpp's tile_rows) fetch the weight row this many rows ahead into L2 and into L1.
+constexpr int64_t KVB_NK_AHEAD_L2 = 16;
+constexpr int64_t KVB_NK_AHEAD_L1 = 4;

@@ -283,7 +283,7 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
   std::vector<float> xs(bf16 ? m * (k / group) : 0);
   if (bf16) kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, group, xs.data());
   at::parallel_for(0, blocks, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint32_t> strip_bf16(bf16 && m > 4 ? k * 8 : 0);
+    std::vector<uint32_t> strip_bf16(bf16 ? kvb_avx512bf16::strip_words(m, k, group) : 0);
     std::vector<float> strip(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
     for (size_t i = 0; i < ws.size(); ++i) {  // the blocks of [g0, g1) that belong to weight i
       const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
