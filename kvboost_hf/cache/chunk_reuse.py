@@ -233,8 +233,9 @@ class ChunkReuseCache(DynamicCache):
     # ------------------------------------------------------------------ state
     @property
     def supports_reuse(self) -> bool:
-        """Whether every layer is a plain full or sliding attention layer that can be loaded."""
-        return all(isinstance(layer, (ReuseLayer, ReuseSlidingLayer)) for layer in self.layers)
+        """Whether the cache has its layers (a cache built without a config gets them only inside the first
+        forward) and every one is a plain full or sliding attention layer that can be loaded."""
+        return bool(self.layers) and all(isinstance(layer, (ReuseLayer, ReuseSlidingLayer)) for layer in self.layers)
 
     @property
     def num_tokens(self) -> int:

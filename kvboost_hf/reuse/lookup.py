@@ -17,7 +17,7 @@ def refusal(cache: ChunkReuseCache, kwargs: dict, input_ids: torch.Tensor) -> st
     """Why this request can neither reuse nor be stored ('' when it can)."""
     if cache.store is None:
         return "cache has no store"
-    if not cache.layers:  # transformers adds them lazily: nothing could be loaded into them now
+    if not cache.layers:  # not supports_reuse either; said apart, as the fix is the caller's
         return "ChunkReuseCache built without the model's config: pass it (ChunkReuseCache(model.config, store))"
     if not cache.supports_reuse:
         return "model has cache layers other than full / sliding attention"

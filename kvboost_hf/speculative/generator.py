@@ -40,8 +40,6 @@ class Proposer(Protocol):
 class FixedProposer:
     """An HF candidate generator used as is (it picks its own draft length): telemetry only."""
 
-    takes_prompt_from_target = False
-
     def __init__(self, inner: CandidateGenerator, name: str) -> None:
         self.inner, self.name = inner, name
 

@@ -121,8 +121,6 @@ class LookupProposer:
     The longer match wins; on a tie, the request's own text. Drafts stop after an EOS token.
     """
 
-    takes_prompt_from_target = False
-
     def __init__(self, settings: LookupSettings, store_index: StoreNgrams | None = None,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.name = "store" if store_index is not None else "prompt-lookup"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvboost_hf.cache import ChunkReuseCache, ReuseStats
-from kvboost_hf.cache.chunk_reuse import ReuseLayer, ReuseRequest, ReuseSlidingLayer
+from kvboost_hf.cache.chunk_reuse import ReuseRequest
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ class PromptDonor:
     dtype: torch.dtype  # the draft's activations
 
     def give(self, draft_cache: ChunkReuseCache, input_ids: torch.LongTensor) -> int:
-        """Fill the empty ``draft_cache`` with the target's K/V of the first tokens of ``input_ids``, as
-        many as assisted decoding keeps in an assistant's cache (all but the last two); returns how many
-        (0: nothing given, the draft prefills as usual)."""
+        """Fill ``draft_cache`` (empty and not begun: the proposer checks) with the target's K/V of the
+        first tokens of ``input_ids``, as many as assisted decoding keeps in an assistant's cache (all but
+        the last two); returns how many (0: nothing given, the draft prefills as usual)."""
         length = min(self.cache.get_seq_length(), input_ids.shape[1] - 2)
-        if length < 1 or draft_cache.get_seq_length() or draft_cache.request is not None or input_ids.shape[0] != 1:
+        if length < 1 or input_ids.shape[0] != 1:
             return 0
         # Only a tracked cache keeps every token of its sliding layers (and says which tokens it holds).
         if not self.cache.trackable or self.cache.token_ids()[:length] != input_ids[0, :length].tolist():
@@ -80,8 +80,8 @@ def prompt_donor(target: torch.nn.Module, draft: torch.nn.Module, target_cache,
         return None
     if len(draft_cache.layers) > len(target_cache.layers):
         return None
-    for mine, theirs in zip(draft_cache.layers, target_cache.layers):
-        if type(mine) is not type(theirs) or not isinstance(mine, (ReuseLayer, ReuseSlidingLayer)):
+    for mine, theirs in zip(draft_cache.layers, target_cache.layers):  # both ReuseLayer / ReuseSlidingLayer
+        if type(mine) is not type(theirs):
             return None
         if getattr(mine, "sliding_window", None) != getattr(theirs, "sliding_window", None):
             return None
