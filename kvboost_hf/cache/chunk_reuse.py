@@ -20,6 +20,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from kvboost_hf.cache.buffer import BufferedLayer, BufferedSlidingLayer
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -55,11 +57,12 @@ def _with_pending(layer) -> Segment:
     return _cat(held + layer.pending)
 
 
-class ReuseLayer(DynamicLayer):
+class ReuseLayer(BufferedLayer):
     """Full-attention layer: holds every token, so its own tensors are the full history.
 
     ``append`` queues stored K/V and concatenates them once, when a forward next needs the
-    layer: assembling a prompt from many stored chunks costs one copy, not one per chunk.
+    layer: assembling a prompt from many stored chunks costs one copy, not one per chunk. A
+    forward's new states are appended in place (:class:`~kvboost_hf.cache.buffer.BufferedLayer`).
     """
 
     def __init__(self, **kwargs) -> None:
@@ -103,7 +106,7 @@ class ReuseLayer(DynamicLayer):
         return self.keys, self.values
 
 
-class ReuseSlidingLayer(DynamicSlidingWindowLayer):
+class ReuseSlidingLayer(BufferedSlidingLayer):
     """Sliding-window layer that also keeps the K/V its window drops, for storing them later."""
 
     def __init__(self, sliding_window: int, **kwargs) -> None:

@@ -1,0 +1,123 @@
+"""KVBuffer / BufferedCache: appending in place gives DynamicCache's K/V, and nothing handed out changes later."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from kvboost_hf import ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, make_draft
+from kvboost_hf.cache import BufferedCache
+from kvboost_hf.cache.buffer import SPARE_TOKENS, BufferedLayer, BufferedSlidingLayer, KVBuffer
+from tests.conftest import FAMILIES, SLIDING_WINDOW, make_tiny, random_ids
+
+
+def states(n: int, seed: int, batch: int = 1, heads: int = 2, dim: int = 8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, n, dim, generator=g).to(dtype),
+            torch.randn(batch, heads, n, dim, generator=g).to(dtype))
+
+
+def test_appends_equal_concatenation_and_earlier_views_never_change():
+    buffer, keys, values = KVBuffer(), None, None
+    cat_k = cat_v = None
+    handed = []
+    for step, n in enumerate([5, 1, 1, 3, *[1] * (SPARE_TOKENS + 4)]):  # past one buffer's spare room
+        k, v = states(n, step)
+        keys, values = buffer.append(keys, values, k, v)
+        cat_k = k if cat_k is None else torch.cat([cat_k, k], dim=-2)
+        cat_v = v if cat_v is None else torch.cat([cat_v, v], dim=-2)
+        assert torch.equal(keys, cat_k) and torch.equal(values, cat_v)
+        handed.append((keys, keys.clone(), values, values.clone()))
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for k, k0, v, v0 in handed)
+    assert buffer.keys.shape[-2] - keys.shape[-2] <= SPARE_TOKENS  # bounded slack
+
+
+def test_a_crop_or_replaced_tensors_start_a_fresh_buffer_so_old_views_keep_their_tokens():
+    buffer = KVBuffer()
+    keys, values = buffer.append(None, None, *states(6, 0))
+    keys, values = buffer.append(keys, values, *states(1, 1))
+    before = keys.clone()
+    cropped_k, cropped_v = keys[..., :4, :], values[..., :4, :]  # what DynamicLayer.crop leaves
+    new_k, new_v = states(3, 2)
+    after_k, after_v = buffer.append(cropped_k, cropped_v, new_k, new_v)
+    assert torch.equal(keys, before)  # the rejected tokens' view is untouched
+    assert torch.equal(after_k, torch.cat([before[..., :4, :], new_k], dim=-2))
+    assert after_k.data_ptr() != keys.data_ptr()
+    # a layer's tensors replaced by others (a load of stored K/V) are copied, never written through
+    loaded_k, loaded_v = states(5, 3)
+    saved = loaded_k.clone()
+    out_k, _ = buffer.append(loaded_k, loaded_v, *states(1, 4))
+    assert torch.equal(loaded_k, saved) and torch.equal(out_k[..., :5, :], saved)
+
+
+def test_a_sliding_window_keeps_its_last_tokens_and_the_forward_sees_all():
+    layer, plain = BufferedSlidingLayer(sliding_window=4), DynamicSlidingWindowLayer(sliding_window=4)
+    for step, n in enumerate([6, 1, 2, *[1] * (SPARE_TOKENS + 3)]):
+        k, v = states(n, step)
+        got, want = layer.update(k, v), plain.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values)
+    assert layer.get_seq_length() == plain.get_seq_length() and layer.cumulative_length == plain.cumulative_length
+
+
+def test_changed_batch_or_dtype_refills_instead_of_writing_across():
+    buffer = KVBuffer()
+    keys, values = buffer.append(None, None, *states(3, 0))
+    keys, values = buffer.append(keys, values, *states(1, 1))
+    wide = (keys.repeat_interleave(2, dim=0), values.repeat_interleave(2, dim=0))  # batch_repeat_interleave
+    k2, _ = buffer.append(*wide, *states(1, 2, batch=2))
+    assert k2.shape == (2, 2, 5, 8) and torch.equal(k2[:, :, :4], wide[0])
+    half = (k2.to(torch.bfloat16), _.to(torch.bfloat16))
+    k3, _ = buffer.append(*half, *states(1, 3, batch=2, dtype=torch.bfloat16))
+    assert k3.dtype == torch.bfloat16 and torch.equal(k3[:, :, :5], half[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_a_buffered_cache_equals_plain_generate(family):
+    model = make_tiny(family, seed=3)
+    ids = random_ids(2 * SLIDING_WINDOW + 3, 11)  # past the sliding window
+    cache = BufferedCache(config=model.config)
+    assert all(isinstance(layer, (BufferedLayer, BufferedSlidingLayer)) for layer in cache.layers)
+    for options in (dict(do_sample=False), dict(do_sample=False, num_beams=3), dict(do_sample=True, top_k=5)):
+        torch.manual_seed(0)
+        plain = model.generate(ids, max_new_tokens=SLIDING_WINDOW + 6, **options)
+        torch.manual_seed(0)
+        got = model.generate(ids, max_new_tokens=SLIDING_WINDOW + 6, past_key_values=BufferedCache(config=model.config),
+                             **options)
+        assert torch.equal(got, plain), options
+
+
+def test_a_config_less_buffered_cache_grows_buffered_layers():
+    model = make_tiny("llama", seed=3)
+    ids = random_ids(9, 2)
+    cache = BufferedCache()
+    got = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=6, do_sample=False))
+    assert cache.layers and all(type(layer) is BufferedLayer for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_draft_appends_its_tokens_in_place_and_output_is_unchanged(family):
+    model = make_tiny(family, seed=5)
+    ids = random_ids(2 * SLIDING_WINDOW + 1, 4)
+    plain = model.generate(ids, max_new_tokens=SLIDING_WINDOW + 4, do_sample=False)
+    draft = make_draft(make_tiny(family, seed=5), bits=8, activations=torch.float32)  # a twin's: prefills itself
+    seen = []
+    forward = draft.forward
+
+    def spy(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        seen.extend(type(layer) for layer in getattr(cache, "layers", []))
+        return forward(*args, **kwargs)
+
+    draft.forward = spy
+    enable_chunk_reuse(model, ChunkStore(max_bytes=10_000_000, chunk_size=8))
+    try:
+        always = ControllerSettings(adaptive=False, max_tokens=4, start_tokens=4)
+        got = model.generate(ids, max_new_tokens=SLIDING_WINDOW + 4, do_sample=False, draft=draft, speculation=always)
+    finally:
+        disable_chunk_reuse(model)
+        disable_chunk_reuse(draft)
+    assert torch.equal(got, plain)
+    assert seen and all(issubclass(kind, (BufferedLayer, BufferedSlidingLayer)) for kind in seen)
