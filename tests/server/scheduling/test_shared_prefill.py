@@ -3,12 +3,14 @@ reused exactly by every other row (they wait for the prefill in flight, then loa
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
 
 from kvboost_hf.batching.scheduler import common_prefix, waits_for_prefill
 from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
+from kvboost_hf.server.scheduling.batch import BatchingQueue
 from kvboost_hf.store import ChunkStore
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, all_at_once, cycle_words, serve, tiny_tokenizer
@@ -34,14 +36,37 @@ def alone(model, tokenizer, prompt: str, max_tokens: int) -> tuple[str, str]:
     return reply.text, reply.finish_reason
 
 
-def test_a_burst_on_a_new_shared_prefix_computes_it_once_and_answers_exactly():
+class BurstGate:
+    """Holds the first request's first forward until the whole burst is queued (then slows every forward a
+    little), so the burst always finds that prompt's prefill in flight, however loaded the machine is."""
+
+    def __init__(self, burst: int, monkeypatch) -> None:
+        self.burst, self.queued, self.all_queued, lock = burst, 0, threading.Event(), threading.Lock()
+        submit = BatchingQueue.submit
+
+        def counted(queue, job):
+            submit(queue, job)
+            with lock:
+                self.queued += 1
+                if self.queued >= self.burst:
+                    self.all_queued.set()
+
+        monkeypatch.setattr(BatchingQueue, "submit", counted)
+
+    def __call__(self, *_) -> None:
+        if self.queued:  # forwards before any request (a server's start-up) pass
+            assert self.all_queued.wait(60), f"only {self.queued} of {self.burst} requests were queued"
+        time.sleep(0.01)
+
+
+def test_a_burst_on_a_new_shared_prefix_computes_it_once_and_answers_exactly(monkeypatch):
     model, tokenizer = make_tiny("gemma3", seed=23), tiny_tokenizer()  # sliding (16) and full layers
     prompts = [f"{SYSTEM} {cycle_words(3 + i, start=40 + 7 * i)}" for i in range(8)]
     expected = [alone(model, tokenizer, p, 6) for p in prompts]
     shared = common_prefix(*(tokenizer(p)["input_ids"] for p in prompts[:2]))
     store = ChunkStore(max_bytes=50_000_000, chunk_size=16)
-    # Slow forwards: the whole burst is queued while the first prompt is still being prefilled.
-    handle = model.register_forward_pre_hook(lambda *_: time.sleep(0.01))
+    gate = BurstGate(8, monkeypatch)
+    handle = model.register_forward_pre_hook(gate)
     try:
         with serve(model, tokenizer, store, scheduler="batch", max_batch_size=8, max_batched_tokens=24) as server:
             replies = all_at_once(lambda i: httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
@@ -55,4 +80,4 @@ def test_a_burst_on_a_new_shared_prefix_computes_it_once_and_answers_exactly():
     cached = sorted(body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in got)
     whole_chunks = shared // 16 * 16
     assert cached[0] == 0 and all(c >= whole_chunks for c in cached[1:]), (cached, shared)
-    assert stats["batching"]["shared_prefill_waits"] >= 1
+    assert gate.all_queued.is_set() and stats["batching"]["shared_prefill_waits"] >= 1
