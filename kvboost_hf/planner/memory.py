@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvboost_hf.cache.buffer import SPARE_TOKENS
 from kvboost_hf.models.attention import attention_implementation
 from kvboost_hf.models.shape import (
     ModelShape,
@@ -138,9 +139,11 @@ class MemoryPlanner:
             live = quantized_kv_bytes_per_sequence(self.shape, tokens, kv_bits, KIVI_RESIDUAL_LENGTH)
             per_layer = kv_bytes_per_token(self.shape)["full"] // max(1, self.shape.full_layers)
             return live + KIVI_TRANSIENT_COPIES * per_layer * tokens
+        # A live cache's layers keep room to append in place (kvboost_hf.cache.buffer): up to SPARE_TOKENS more each.
+        spare = sum(kv_bytes_per_token(self.shape).values()) * SPARE_TOKENS
         if self.sliding_capped:
-            return kv_bytes_per_sequence(self.shape, tokens)
-        return sum(kv_bytes_per_token(self.shape).values()) * tokens
+            return kv_bytes_per_sequence(self.shape, tokens) + spare
+        return sum(kv_bytes_per_token(self.shape).values()) * tokens + spare
 
     def forward_bytes(self, chunk: int, context: int, chunked: bool = False) -> int:
         """Activations and attention scratch of forwarding ``chunk`` tokens over ``context`` keys

@@ -118,3 +118,20 @@ def test_int4_needs_less_than_int8_and_suggestions_consider_quantized_rungs():
 def test_kv_bits_options_are_checked():
     with pytest.raises(ValueError, match="kv_bits_options"):
         planner(100, kv_bits_options=(2,))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_kv_estimate_covers_a_buffered_caches_spare_room(family):
+    """Cache layers keep up to SPARE_TOKENS of room to append in place: the estimate counts it."""
+    from kvboost_hf.cache import BufferedCache
+    from kvboost_hf.planner import kv_bytes_per_sequence
+    from tests.conftest import random_ids
+
+    model = make_tiny(family, seed=1)
+    cache = BufferedCache(config=model.config)
+    prompt, new = 40, 30
+    model.generate(random_ids(prompt, 3), max_new_tokens=new, do_sample=False, past_key_values=cache)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.buffer.keys, layer.buffer.values))
+    shape = ModelShape.from_config(model.config, dtype="float32")
+    assert held > kv_bytes_per_sequence(shape, prompt + new)  # the tokens alone: what the estimate was
+    assert held <= MemoryPlanner(shape, 10 * MIB, margin=0.0, sliding_capped=True).kv_bytes(prompt + new)
