@@ -121,3 +121,20 @@ def test_a_draft_appends_its_tokens_in_place_and_output_is_unchanged(family):
         disable_chunk_reuse(draft)
     assert torch.equal(got, plain)
     assert seen and all(issubclass(kind, (BufferedLayer, BufferedSlidingLayer)) for kind in seen)
+
+
+def test_a_recording_sliding_layer_crops_and_appends_as_transformers_does():
+    """Assisted decoding's pattern: record the past, forward a draft, crop the rejected part, go on."""
+    layer, plain = BufferedSlidingLayer(sliding_window=6), DynamicSlidingWindowLayer(sliding_window=6)
+    for target in (layer, plain):
+        target.activate_past_recording()
+    seen = []
+    for seed, (n, rejected) in enumerate([(9, 0), (4, 2), (3, 0), (5, 4), (1, 0), (6, 3), (2, 1), (1, 0)]):
+        k, v = states(n, seed)
+        got, want = layer.update(k, v), plain.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
+        seen.append((got, [t.clone() for t in got]))
+        layer.crop(-rejected)
+        plain.crop(-rejected)
+        assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values), seed
+    assert all(torch.equal(a, b) for got, before in seen for a, b in zip(got, before))  # what forwards saw stays
