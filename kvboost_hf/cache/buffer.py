@@ -35,6 +35,9 @@ class KVBuffer:
     def append(self, keys: torch.Tensor | None, values: torch.Tensor | None, new_keys: torch.Tensor,
                new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``keys``/``values`` (the layer's current tensors, 4-d or empty) followed by the new states, as views."""
+        if _tracked(keys, new_keys, new_values):  # autograd saved the views handed out: concatenate, as transformers
+            self.held = None
+            return _concatenated(keys, new_keys), _concatenated(values, new_values)
         n = new_keys.shape[-2]
         if not self._extends(keys, values, new_keys, new_values):
             self._refill(keys, values, new_keys, new_values)
@@ -49,25 +52,52 @@ class KVBuffer:
         return self.held
 
     def keep_last(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Only the last ``count`` live tokens stay live (a sliding window); earlier ones are never written again."""
-        self.start = max(self.start, self.end - count)
+        """Only the last ``count`` live tokens stay live (a sliding window); earlier ones are never written again.
+        ``count`` 0 keeps them all, as transformers' ``[-0:]`` slice does for a window of one."""
+        if count > 0:
+            self.start = max(self.start, self.end - count)
         return self.live()
 
     def _extends(self, keys, values, new_keys: torch.Tensor, new_values: torch.Tensor) -> bool:
         return (self.held is not None and keys is self.held[0] and values is self.held[1]
                 and self.end + new_keys.shape[-2] <= self.keys.shape[-2]
-                and _fits(self.keys, new_keys) and _fits(self.values, new_values))
+                and _fits(self.keys, new_keys) and _fits(self.values, new_values)
+                # a buffer made under inference_mode cannot be written outside it
+                and not (self.keys.is_inference() and not torch.is_inference_mode_enabled()))
 
     def _refill(self, keys, values, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
         held = keys is not None and keys.dim() == 4 and keys.shape[-2] > 0
+        if held and (keys.shape[:2] != new_keys.shape[:2] or values.shape[:2] != new_values.shape[:2]):
+            torch.cat([keys, new_keys], dim=-2)  # raises what DynamicLayer raises (another batch or head count)
         length = keys.shape[-2] if held else 0
         room = length + new_keys.shape[-2] + (SPARE_TOKENS if length else 0)  # a first (prefill) append: exact
-        self.keys = new_keys.new_empty((*new_keys.shape[:2], room, new_keys.shape[-1]))
-        self.values = new_values.new_empty((*new_values.shape[:2], room, new_values.shape[-1]))
+        self.keys = _empty(keys if held else None, new_keys, room)
+        self.values = _empty(values if held else None, new_values, room)
         if held:
             self.keys[..., :length, :] = keys
             self.values[..., :length, :] = values
         self.start, self.end = 0, length
+
+    def clear(self) -> None:
+        """Forget the buffers (a layer's reset): their memory goes with them."""
+        self.keys = self.values = self.held = None
+        self.start = self.end = 0
+
+
+def _empty(held: torch.Tensor | None, new: torch.Tensor, room: int) -> torch.Tensor:
+    """A buffer for ``room`` tokens shaped as ``new``, in the dtype torch.cat would give (history, then new)."""
+    dtype = new.dtype if held is None else torch.promote_types(held.dtype, new.dtype)
+    return new.new_empty((*new.shape[:2], room, new.shape[-1]), dtype=dtype)
+
+
+def _tracked(keys: torch.Tensor | None, new_keys: torch.Tensor, new_values: torch.Tensor) -> bool:
+    """Whether autograd records this forward: appending in place would modify tensors its graph saved."""
+    return torch.is_grad_enabled() and (new_keys.requires_grad or new_values.requires_grad
+                                        or keys is not None and keys.requires_grad)
+
+
+def _concatenated(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if held is None or held.dim() != 4 or held.shape[-2] == 0 else torch.cat([held, new], dim=-2)
 
 
 def _fits(buffer: torch.Tensor, new: torch.Tensor) -> bool:
@@ -89,6 +119,10 @@ class BufferedLayer(DynamicLayer):
         self.keys, self.values = self.buffer.append(self.keys, self.values, key_states, value_states)
         return self.keys, self.values
 
+    def reset(self) -> None:
+        super().reset()
+        self.buffer.clear()
+
 
 class BufferedSlidingLayer(DynamicSlidingWindowLayer):
     """``DynamicSlidingWindowLayer`` that appends in place: its update is transformers 5.23's, the buffer's
@@ -104,12 +138,20 @@ class BufferedSlidingLayer(DynamicSlidingWindowLayer):
         self.cumulative_length += key_states.shape[-2]
         keys, values = self.buffer.append(self.keys, self.values, key_states, value_states)
         if not self.record_past:  # only the last sliding_window - 1 stay; the forward sees them all
-            self.keys, self.values = self.buffer.keep_last(self.sliding_window - 1)
+            if self.buffer.held is None:  # concatenated (autograd records this forward)
+                window = -self.sliding_window + 1
+                self.keys, self.values = keys[:, :, window:, :], values[:, :, window:, :]
+            else:
+                self.keys, self.values = self.buffer.keep_last(self.sliding_window - 1)
             return keys, values
         # recording the past (assisted decoding): all stay until the next crop; the forward sees what the mask expects
         self.keys, self.values = keys, values
         visible = self.sliding_window - 1 + key_states.shape[-2]
         return keys[:, :, -visible:, :], values[:, :, -visible:, :]
+
+    def reset(self) -> None:
+        super().reset()
+        self.buffer.clear()
 
 
 def buffered_layer_for(layer):

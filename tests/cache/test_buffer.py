@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvboost_hf import ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, make_draft
@@ -138,3 +139,50 @@ def test_a_recording_sliding_layer_crops_and_appends_as_transformers_does():
         plain.crop(-rejected)
         assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values), seed
     assert all(torch.equal(a, b) for got, before in seen for a, b in zip(got, before))  # what forwards saw stays
+
+
+def test_a_cache_filled_under_inference_mode_continues_outside_it():
+    model = make_tiny("gemma3", seed=2)
+    ids = random_ids(2 * SLIDING_WINDOW, 5)
+    cache = BufferedCache(config=model.config)
+    with torch.inference_mode():
+        first = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    with torch.no_grad():
+        got = model.generate(first, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+def test_forwards_that_autograd_records_concatenate_and_backpropagate_as_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # as many K/V heads as heads: attention reads the cache's own tensors, not copies
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2)).train()
+    ids = random_ids(12, 6)
+    grads = []
+    for cache in (DynamicCache(config=model.config), BufferedCache(config=model.config)):
+        model.zero_grad()
+        chunks = (model(ids[:, i : i + 3], past_key_values=cache, use_cache=True) for i in range(0, 12, 3))
+        loss = sum(out.logits.sum() for out in chunks)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_layer_edges_follow_transformers():
+    layer = BufferedLayer()
+    layer.update(*states(300, 0))
+    layer.update(*states(1, 1))
+    layer.reset()
+    assert layer.buffer.keys is None and layer.get_seq_length() == 0  # reset frees the buffer
+    promoted = BufferedLayer()
+    promoted.update(*states(3, 2))
+    keys, _ = promoted.update(*states(1, 3, dtype=torch.bfloat16))
+    assert keys.dtype == torch.float32  # as torch.cat promotes: the history keeps its precision
+    with pytest.raises(RuntimeError):
+        promoted.update(*states(1, 4, batch=2))  # another batch raises, as with DynamicLayer
+    one, plain = BufferedSlidingLayer(sliding_window=1), DynamicSlidingWindowLayer(sliding_window=1)
+    for step, n in enumerate([3, 1, 1]):
+        k, v = states(n, step)
+        assert all(torch.equal(a, b) for a, b in zip(one.update(k, v), plain.update(k, v)))
+        assert torch.equal(one.keys, plain.keys)
