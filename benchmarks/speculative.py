@@ -18,8 +18,9 @@ identical to the plain one. Workloads:
    boilerplate; each variant's store first sees one untimed pass (the scenario is repetition);
 5. int4: the model packed to AWQ int4 and loaded resident (``full_resident``, the default bf16
    compute and ``kernel="auto"``: kvboost_hf's own kernels where built), on the chat and document
-   requests, plain against int4 self-drafts of its own weights: all layers, and the first
-   ``--lean-layers`` layers (issue 26's "RAM-resident int4 target with an int4 self-draft");
+   requests, plain against int4 self-drafts of its own weights: all layers (adaptive, and ``fixed8``:
+   8 tokens drafted in every round of every request), and the first ``--lean-layers`` layers (issue
+   26's "RAM-resident int4 target with an int4 self-draft");
 6. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
    passage itself, or whatever loop the base model falls into: both are lookup's best case).
 
@@ -47,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DOCS_BENCH, environment, essays, median  # noqa: E402
 
-from kvboost_hf import ChunkStore, enable_chunk_reuse, last_request_stats, make_draft  # noqa: E402
+from kvboost_hf import ChunkStore, ControllerSettings, enable_chunk_reuse, last_request_stats, make_draft  # noqa: E402
 from kvboost_hf.generation.timing import FirstTokenTimer  # noqa: E402
 from kvboost_hf.models import cache_dir, load_default_model  # noqa: E402
 
@@ -351,7 +352,11 @@ def main() -> None:
         full = make_draft(resident, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
         lean = make_draft(resident, bits=4, vocab=args.draft_vocab, layers=args.lean_layers, tokenizer=tokenizer)
         vocab = f"vocab{args.draft_vocab // 1024}k"
+        # fixed8: 8 tokens drafted in every round, every request (the adaptive controller off): the kernels' and
+        # the draft's speed-up without the controller's per-request decisions, which move the adaptive rows
+        fixed = ControllerSettings(adaptive=False, max_tokens=8)
         variants = only({"plain": {}, f"int4-{vocab}": {"draft": full},
+                         f"int4-{vocab}-fixed8": {"draft": full, "speculation": fixed},
                          f"int4-{vocab}-layers{args.lean_layers}": {"draft": lean}})
         chat = [c[:1] for c in CHAT_TURNS[:1]] if args.quick else CHAT_TURNS
         result["workloads"]["int4 chat"] = bench_workload(resident, None, variants, args, eos, store_bytes,
