@@ -19,7 +19,7 @@ identical to the plain one. Workloads:
 5. int4: the model packed to AWQ int4 and loaded resident (``full_resident``, the default bf16
    compute and ``kernel="auto"``: kvboost_hf's own kernels where built), on the chat and document
    requests, plain against int4 self-drafts of its own weights: all layers (adaptive, and ``fixed8``:
-   8 tokens drafted in every round of every request), and the first ``--lean-layers`` layers (issue
+   8 tokens asked for in every round of every request, transformers' confidence stop on), and the first ``--lean-layers`` layers (issue
    26's "RAM-resident int4 target with an int4 self-draft");
 6. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
    passage itself, or whatever loop the base model falls into: both are lookup's best case).
@@ -352,8 +352,9 @@ def main() -> None:
         full = make_draft(resident, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
         lean = make_draft(resident, bits=4, vocab=args.draft_vocab, layers=args.lean_layers, tokenizer=tokenizer)
         vocab = f"vocab{args.draft_vocab // 1024}k"
-        # fixed8: 8 tokens drafted in every round, every request (the adaptive controller off): the kernels' and
-        # the draft's speed-up without the controller's per-request decisions, which move the adaptive rows
+        # fixed8: 8 tokens asked of the draft in every round of every request (the adaptive controller off, so
+        # transformers' confidence stop is on and may end a round's draft early): the speed-up without the
+        # controller's per-request decisions, which move the adaptive rows
         fixed = ControllerSettings(adaptive=False, max_tokens=8)
         variants = only({"plain": {}, f"int4-{vocab}": {"draft": full},
                          f"int4-{vocab}-fixed8": {"draft": full, "speculation": fixed},
