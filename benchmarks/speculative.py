@@ -19,8 +19,8 @@ identical to the plain one. Workloads:
 5. int4: the model packed to AWQ int4 and loaded resident (``full_resident``, the default bf16
    compute and ``kernel="auto"``: kvboost_hf's own kernels where built), on the chat and document
    requests, plain against int4 self-drafts of its own weights: all layers (adaptive, and ``fixed8``:
-   8 tokens asked for in every round of every request, transformers' confidence stop on), and the first ``--lean-layers`` layers (issue
-   26's "RAM-resident int4 target with an int4 self-draft");
+   8 tokens asked for in every round of every request, transformers' confidence stop on), and the
+   first ``--lean-layers`` layers (issue 26's "RAM-resident int4 target with an int4 self-draft");
 6. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
    passage itself, or whatever loop the base model falls into: both are lookup's best case).
 
