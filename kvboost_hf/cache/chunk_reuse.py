@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer
 
-from kvboost_hf.cache.buffer import BufferedLayer, BufferedSlidingLayer
+from kvboost_hf.cache.buffer import BufferedLayer, BufferedSlidingLayer, buffered_layer_for
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -186,14 +186,6 @@ def _trim(segments: list[Segment], length: int) -> list[Segment]:
     return out
 
 
-def _reuse_layer_for(layer):
-    if type(layer) is DynamicLayer:
-        return ReuseLayer()
-    if type(layer) is DynamicSlidingWindowLayer:
-        return ReuseSlidingLayer(sliding_window=layer.sliding_window)
-    return layer  # linear attention, indexed, dummy...: kept as is, and reuse is refused
-
-
 @dataclass
 class ReuseRequest:
     """What the hook decided at the first forward of a request."""
@@ -217,7 +209,8 @@ class ChunkReuseCache(DynamicCache):
         super().__init__(config=config)
         if self.layer_class_to_replicate is not None:
             self.layer_class_to_replicate = ReuseLayer
-        self.layers = [_reuse_layer_for(layer) for layer in self.layers]
+        # other kinds (linear attention, indexed, dummy...) are kept as they are, and reuse is refused
+        self.layers = [buffered_layer_for(layer, ReuseLayer, ReuseSlidingLayer) for layer in self.layers]
         self.store = store
         self.config = config
         self._token_chunks: list[torch.Tensor] = []

@@ -140,10 +140,9 @@ class MemoryPlanner:
             per_layer = kv_bytes_per_token(self.shape)["full"] // max(1, self.shape.full_layers)
             return live + KIVI_TRANSIENT_COPIES * per_layer * tokens
         # A live cache's layers keep room to append in place (kvboost_hf.cache.buffer): up to SPARE_TOKENS more each.
-        spare = sum(kv_bytes_per_token(self.shape).values()) * SPARE_TOKENS
-        if self.sliding_capped:
-            return kv_bytes_per_sequence(self.shape, tokens) + spare
-        return sum(kv_bytes_per_token(self.shape).values()) * tokens + spare
+        per_token = sum(kv_bytes_per_token(self.shape).values())
+        held = kv_bytes_per_sequence(self.shape, tokens) if self.sliding_capped else per_token * tokens
+        return held + per_token * SPARE_TOKENS
 
     def forward_bytes(self, chunk: int, context: int, chunked: bool = False) -> int:
         """Activations and attention scratch of forwarding ``chunk`` tokens over ``context`` keys
