@@ -313,6 +313,51 @@ def test_a_change_the_hooks_do_not_show_still_gives_the_modules_bits(change, tin
     assert calls == 5 * (len(model.model.layers) - 1)  # layer 0 (for eps: its norms no longer share one) falls back
 
 
+def _hook_attention_pre(layer):
+    return layer.self_attn.register_forward_pre_hook(lambda module, args: None)
+
+
+def _hook_norm(layer):
+    return layer.post_attention_layernorm.register_forward_hook(lambda module, args, out: out * 0.5)
+
+
+def _hook_projection_dict(layer):
+    """A hook dict replaced wholesale (not through register_forward_hook)."""
+    proj = layer.mlp.up_proj
+    proj._forward_hooks = type(proj._forward_hooks)({0: lambda module, args, out: out * 2.0})
+
+    class Handle:
+        def remove(self):
+            proj._forward_hooks = type(proj._forward_hooks)()
+    return Handle()
+
+
+@pytest.mark.parametrize("add_hook", [_hook_attention_pre, _hook_norm, _hook_projection_dict])
+@pytest.mark.parametrize("first_call_hooked", [True, False])
+def test_hooks_added_or_removed_at_any_time_are_seen(add_hook, first_call_hooked, tiny_awq, kernels_built):
+    """A layer computes through its modules (and their hooks) exactly while one of them has hooks, whether they
+    were there at its first call or came after it, and is fused again once they are gone."""
+    model = load_awq(tiny_awq["llama"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    layers = model.model.layers
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(23))
+    handle = add_hook(layers[0]) if first_call_hooked else None
+    first, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    assert calls == 5 * (len(layers) - (1 if first_call_hooked else 0))
+    if handle is None:
+        handle = add_hook(layers[0])
+    hooked, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    assert calls == 5 * (len(layers) - 1)
+    handle.remove()
+    fused, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    assert calls == 5 * len(layers)
+    unfuse_layers(model)
+    plain = chunked_logits(model, ids)
+    assert torch.equal(fused, plain)
+    if add_hook is not _hook_attention_pre:  # the others change the outputs: the hooked forwards ran them
+        assert not torch.equal(hooked, plain)
+    assert torch.equal(hooked, first) == first_call_hooked or add_hook is _hook_attention_pre
+
+
 def test_a_meta_or_other_dtype_bias_runs_the_layers_own_forward(tiny_awq, kernels_built):
     model = load_awq(tiny_awq["qwen2"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
     layer = model.model.layers[0]
