@@ -280,20 +280,44 @@ void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64
   }
 }
 
-void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* xs) {
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
-      float sum = 0.0f;
-      for (int64_t i = g0; i < g0 + group; i += 2) {  // the pair order of vdpbf16ps: odd element first
-        uint32_t odd = static_cast<uint32_t>(x[r * k + i + 1]) << 16, even = static_cast<uint32_t>(x[r * k + i]) << 16;
-        float fo, fe;
-        __builtin_memcpy(&fo, &odd, sizeof fo);
-        __builtin_memcpy(&fe, &even, sizeof fe);
-        sum = sum + fo;
-        sum = sum + fe;
-      }
-      xs[r * (k / group) + gi] = sum;
+namespace {
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+// The pair sums of N (row, group) spans at once: N independent chains (one sum each, in its own order),
+// so the adds overlap instead of waiting on one another (a chain alone: one add per add latency).
+template <int N>
+inline void span_sums(const uint16_t* const* spans, int64_t group, float* sums) {
+  float acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = 0.0f;
+  for (int64_t i = 0; i < group; i += 2)
+    for (int j = 0; j < N; ++j) {  // the pair order of vdpbf16ps: odd element first
+      acc[j] = acc[j] + bf16_value(spans[j][i + 1]);
+      acc[j] = acc[j] + bf16_value(spans[j][i]);
     }
+  for (int j = 0; j < N; ++j) sums[j] = acc[j];
+}
+
+}  // namespace
+
+void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* xs) {
+  const int64_t groups = k / group, spans = m * groups;  // span s: row s / groups, group s % groups (xs's order)
+  const uint16_t* starts[8];
+  for (int64_t s = 0; s < spans;) {
+    const int64_t n = spans - s >= 8 ? 8 : spans - s >= 4 ? 4 : spans - s >= 2 ? 2 : 1;
+    for (int64_t j = 0; j < n; ++j) starts[j] = x + (s + j) / groups * k + (s + j) % groups * group;
+    switch (n) {
+      case 8: span_sums<8>(starts, group, xs + s); break;
+      case 4: span_sums<4>(starts, group, xs + s); break;
+      case 2: span_sums<2>(starts, group, xs + s); break;
+      default: span_sums<1>(starts, group, xs + s); break;
+    }
+    s += n;
   }
 }
 
