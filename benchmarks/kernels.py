@@ -17,7 +17,8 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   that and its projections unfused, HF's RMSNorm modules and bf16 attention; the same model object
   switched per sample) and kernel="torch", against the bf16 float model; and a token of the int4
   FR-Spec self-draft (``make_draft(bits=4, vocab=32768)``) of the kvboost model after the same
-  prompt. Greedy continuations are compared.
+  prompt, on a cache that appends in place (``BufferedCache``, as a draft's ``ChunkReuseCache`` in
+  speculation). Greedy continuations are compared.
 
     python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2]
 """
@@ -103,6 +104,7 @@ def whole_model(reps: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from kvboost_hf import make_draft
+    from kvboost_hf.cache import BufferedCache
     from kvboost_hf.models import cache_dir, load_default_model
     from kvboost_hf.models.attention import FLOAT32_SDPA
     from kvboost_hf.streaming import StreamingAWQConfig
@@ -122,7 +124,8 @@ def whole_model(reps: int) -> dict:
     long = torch.randint(10, 20000, (1, 256), generator=gen)
 
     def prefilled(m):
-        cache = DynamicCache(config=m.config)
+        # The draft's cache appends in place, as a ChunkReuseCache (what speculation gives a draft) does.
+        cache = BufferedCache(config=m.config) if m is draft else DynamicCache(config=m.config)
         m(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
 
