@@ -22,8 +22,9 @@ import copyreg
 import functools
 import logging
 import operator
-import weakref
+import types
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 from torch import nn
@@ -80,7 +81,18 @@ def activation_name(act: nn.Module) -> str | None:
 
 def _hooked(module: nn.Module) -> bool:
     """Hooks, or a ``forward`` set on the instance (accelerate's ``add_hook_to_module`` and offloading do that)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in module.__dict__
+    return bool(module._forward_hooks or module._forward_pre_hooks) or _instance_forward(module)
+
+
+def _instance_forward(module: nn.Module) -> bool:
+    """Whether the instance has a ``forward`` of its own other than its class's, bound to it (what accelerate's
+    ``remove_hook_from_module`` leaves behind)."""
+    f = module.__dict__.get("forward", _ABSENT)
+    return f is not _ABSENT and not (isinstance(f, types.MethodType) and f.__self__ is module
+                                     and f.__func__ is getattr(type(module), "forward", None))
+
+
+_ABSENT = object()  # a key not in a dict (None may be a value: a bias registered as None, forward = None)
 
 
 def _int4(module: nn.Module | None):
@@ -117,7 +129,13 @@ class LayerArguments:
     head_norms: tuple | None  # (q scale, k scale, eps)
     activation: str
     window: str | None  # LayerForm.window
-    bias_dtypes: frozenset  # the projections' bias dtypes: each must be the activations' (else torch promotes)
+    has_bias: bool  # whether any projection has a bias
+
+    @property
+    def bias_dtypes(self) -> frozenset:
+        """The projections' bias dtypes now (``Module.to`` converts a Parameter in place): each must be the
+        activations' dtype, else torch promotes and the ops do not reproduce the layer."""
+        return frozenset(b.dtype for b in self.biases if b is not None)
 
     def inputs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple:
         """``torch.ops.kvboost.layer_attention_inputs``' arguments for ``hidden`` and RoPE's ``cos``/``sin``."""
@@ -168,7 +186,7 @@ def layer_arguments(layer: nn.Module) -> LayerArguments | None:
             or not all(_cpu_tensor(t) for t in (*qweights, *sides, *norms))):
         return None
     return LayerArguments(qweights, sides, outs, groups, biases, norms, eps.pop(), head_norms, activation, form.window,
-                          frozenset(b.dtype for b in biases if b is not None))
+                          any(b is not None for b in biases))
 
 
 class KernelLayerMixin:
@@ -177,7 +195,7 @@ class KernelLayerMixin:
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         interface = None if args else self._attention_function(hidden_states, kwargs)
         a = None if interface is None else cached_arguments(self)
-        if a is None or a.bias_dtypes and a.bias_dtypes != {hidden_states.dtype}:
+        if a is None or a.has_bias and a.bias_dtypes != {hidden_states.dtype}:
             return super().forward(hidden_states, *args, **kwargs)
         attn = self.self_attn
         cos, sin = kwargs.pop("position_embeddings")
@@ -217,7 +235,8 @@ class KernelLayerMixin:
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the layer's own class (as a reuse-enabled model does): loading needs only
         transformers; :func:`fuse_layers` fuses the copy again."""
-        return copyreg._reconstructor, (type(self).__bases__[-1], object, None), self.__getstate__()
+        state = {k: v for k, v in self.__getstate__().items() if k != ARGUMENTS_ATTR}  # read again by the copy
+        return copyreg._reconstructor, (type(self).__bases__[-1], object, None), state
 
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -228,9 +247,10 @@ class _Cached:
     """What :func:`layer_arguments` read, as parallel tuples that the check walks in C (``map``), not in Python."""
 
     modules: tuple  # the layer's, attention's and MLP's children
-    dicts: tuple  # where each slot was read: a module's _buffers, _parameters or __dict__
+    types: tuple  # their classes (a class assigned in place changes what a module computes)
+    dicts: tuple  # where each slot was read: a module's _buffers, _parameters or __dict__ (each a dict)
     keys: tuple
-    values: tuple  # their tensors, plain attributes, hook dicts (and None where no forward is set on the instance)
+    values: tuple  # their tensors, plain attributes and hook dicts, or _ABSENT (no forward set on the instance)
     hooks: tuple  # the modules' hook dicts, which must stay empty (attention's forward hooks: capture_hooks)
     capture_hooks: dict  # the attention module's forward hooks (output capture may stay installed)
     arguments: LayerArguments | None
@@ -240,40 +260,54 @@ def cached_arguments(layer: nn.Module) -> LayerArguments | None:
     """:func:`layer_arguments`, read again only when one of the modules, tensors, plain attributes or hook dicts it
     came from was replaced, and None while any of those modules has hooks.
 
-    Reading costs ~45 us a layer; checking ~7 us with the interpreter's objects in cache, ~60 us after a decode
+    Reading costs ~45 us a layer; checking ~9 us with the interpreter's objects in cache, ~63 us after a decode
     step's weights have streamed through the caches (as in every layer of a step; ~100 us when the check walked
-    the slots in a Python generator and called ``_hooked`` per module: an int4 self-draft token 8.4 -> 8.1 ms)."""
+    the slots in a Python generator and called ``_hooked`` per module: an int4 self-draft token 7.95 -> 7.59 ms,
+    the target's step 18.7 -> 18.3 ms)."""
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
     if attn is None or mlp is None:
         return None
     modules = (*layer._modules.values(), *attn._modules.values(), *mlp._modules.values())
-    cached = _ARGUMENTS.get(layer)
+    cached = layer.__dict__.get(ARGUMENTS_ATTR)
     if (cached is not None and len(cached.modules) == len(modules) and all(map(operator.is_, cached.modules, modules))
-            and all(map(operator.is_, map(dict.get, cached.dicts, cached.keys), cached.values))):
+            and all(map(operator.is_, map(type, modules), cached.types))
+            and all(map(operator.is_, map(dict.get, cached.dicts, cached.keys, repeat(_ABSENT)), cached.values))):
         # the same hook dicts as when read (checked just above): hooks added since are in them
         return None if any(cached.hooks) or cached.capture_hooks and not _capture_only(attn, attn) else cached.arguments
     if any(m is None or _hooked(m) and not _capture_only(m, attn) for m in modules):
         return None  # (not remembered: what layer_arguments reads of a hooked module is not what it computes)
-    _ARGUMENTS[layer] = cached = _read(layer, modules, attn)
+    cached = _read(layer, modules, attn)
+    if cached is None:  # a module holds its tensors in a mapping that is not a dict: read on every call
+        return layer_arguments(layer)
+    # On the layer, not in a module-level table: a table's entry would keep a model alive through any reference
+    # from one of its modules back to it (a hook's closure).
+    layer.__dict__[ARGUMENTS_ATTR] = cached
     return cached.arguments
 
 
-def _read(layer: nn.Module, modules: tuple, attn: nn.Module) -> _Cached:
-    """:func:`layer_arguments` of ``layer``, whose ``modules`` have no hooks now, with what it was read from."""
+def _read(layer: nn.Module, modules: tuple, attn: nn.Module) -> _Cached | None:
+    """:func:`layer_arguments` of ``layer``, whose ``modules`` have no hooks now, with what it was read from
+    (None where that cannot be checked with ``dict.get``)."""
     slots = [(d, k, v) for m in modules for d in (m._buffers, m._parameters) for k, v in d.items()]
     slots += [(m.__dict__, k, m.__dict__[k]) for m in modules for k in _READ_ATTRIBUTES if k in m.__dict__]
-    slots += [(m.__dict__, k, m.__dict__.get(k)) for m in modules for k in _HOOK_ATTRIBUTES]
+    slots += [(m.__dict__, k, m.__dict__.get(k, _ABSENT)) for m in modules for k in _HOOK_ATTRIBUTES]
+    if not all(type(d).get is dict.get for d, _, _ in slots):
+        return None
     hooks = [m.__dict__.get(k) for m in modules for k in _HOOK_ATTRIBUTES[:2]
              if not (m is attn and k == "_forward_hooks")]
     dicts, keys, values = zip(*slots)
     capture = attn.__dict__.get("_forward_hooks")
-    return _Cached(modules, dicts, keys, values, tuple(hooks), capture, layer_arguments(layer))
+    return _Cached(modules, tuple(map(type, modules)), dicts, keys, values, tuple(hooks), capture,
+                   layer_arguments(layer))
 
 
-# The plain attributes of the modules that layer_arguments reads (a norm's eps, a projection's sizes...);
-# training is checked on every call (_attention_function).
-_READ_ATTRIBUTES = ("staged_weight", "eps", "out_features", "group_size", "kernel")
-_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "forward")  # what _hooked reads ("forward": an instance's)
+# The plain attributes of the modules that layer_arguments reads (a norm's eps, a projection's sizes and streaming
+# state, a bias set as a plain tensor once its Parameter was deleted, an activation's form); training is checked on
+# every call (_attention_function).
+_READ_ATTRIBUTES = ("staged_weight", "streamed", "eps", "out_features", "group_size", "kernel", "bias",
+                    "approximate", "act")
+# What _hooked reads ("forward": an instance's, absent or not), and the dicts the tensor slots were read from.
+_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "forward", "_buffers", "_parameters")
 CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers' output-capture hooks are defined
 
 
@@ -281,11 +315,11 @@ def _capture_only(module: nn.Module, attn: nn.Module) -> bool:
     """Whether ``module`` is the attention module and its only hooks are transformers' output capture, which
     stays installed once any call asked for hidden states or attentions and acts only while one does: the
     fused forward passes it the attention weights itself (none from a non-eager attention function)."""
-    return module is attn and not module._forward_pre_hooks and "forward" not in module.__dict__ and all(
+    return module is attn and not module._forward_pre_hooks and not _instance_forward(module) and all(
         getattr(hook, "__module__", None) == CAPTURE_HOOKS for hook in module._forward_hooks.values())
 
 
-_ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> _Cached
+ARGUMENTS_ATTR = "_kvboost_layer_arguments"  # where a fused layer keeps its _Cached (not copied with it)
 
 
 @functools.cache
@@ -317,5 +351,6 @@ def unfuse_layers(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, KernelLayerMixin):
             module.__class__ = type(module).__bases__[-1]
+            module.__dict__.pop(ARGUMENTS_ATTR, None)
             restored += 1
     return restored

@@ -24,7 +24,7 @@ from torch import nn
 
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
 from kvboost_hf.kernels.attention import cpu_attention
-from kvboost_hf.kernels.layer import fuse_layers
+from kvboost_hf.kernels.layer import ARGUMENTS_ATTR, fuse_layers
 from kvboost_hf.kernels.norm import cpu_norm
 from kvboost_hf.models.attention import own_attention
 from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
           "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-_DROPPED = (STATE_ATTR, RUNTIME_ATTR)
+_DROPPED = (STATE_ATTR, RUNTIME_ATTR, ARGUMENTS_ATTR)
 
 
 @torch.no_grad()

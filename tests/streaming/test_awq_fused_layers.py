@@ -358,6 +358,111 @@ def test_hooks_added_or_removed_at_any_time_are_seen(add_hook, first_call_hooked
     assert torch.equal(hooked, first) == first_call_hooked or add_hook is _hook_attention_pre
 
 
+def _plain(model, run):
+    """``run()`` with the layers' own forward (then fused again)."""
+    unfuse_layers(model)
+    try:
+        return run()
+    finally:
+        fuse_layers(model)
+
+
+def _gelu_none(layer):
+    layer.mlp.act_fn.approximate = "none"  # read as gelu_tanh at the first call
+
+
+def _norm_class(layer):
+    class Doubled(type(layer.input_layernorm)):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    layer.input_layernorm.__class__ = Doubled
+
+
+def _plain_bias(layer):
+    q = layer.self_attn.q_proj  # bias registered as None: after del, a plain tensor its forward adds
+    del q.bias
+    q.bias = torch.randn(q.out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+
+
+def _accelerate_removed(layer):
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    add_hook_to_module(layer.mlp.down_proj, ModelHook())  # leaves the bound class forward on the instance
+    remove_hook_from_module(layer.mlp.down_proj)
+
+
+def _not_a_dict(layer):
+    import collections
+
+    layer.input_layernorm._buffers = collections.UserDict(layer.input_layernorm._buffers)
+
+
+def _buffers_replaced(layer):
+    norm = layer.post_attention_layernorm
+    norm._buffers = {**norm._buffers, "scale": norm.scale * 2}  # a new dict holding a new tensor
+
+
+@pytest.mark.parametrize("change", [_gelu_none, _norm_class, _plain_bias, _accelerate_removed, _not_a_dict,
+                                    _buffers_replaced])
+def test_what_a_layer_was_read_from_changing_after_its_first_call_is_seen(change, tiny_awq, kernels_built):
+    """Changes after the arguments were read and remembered that no tensor slot shows (an activation's form, a
+    module's class, a plain bias where a None Parameter was, accelerate's leftover bound forward, a module's
+    tensors in a mapping that is not a dict): the fused model still gives its modules' bits."""
+    model = load_awq(tiny_awq["llama"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    if change is _gelu_none:
+        for layer in model.model.layers:
+            layer.mlp.act_fn = nn.GELU(approximate="tanh")
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(29))
+    if change is _not_a_dict:  # read with it (a mapping the check cannot walk in C: read on every call)
+        change(model.model.layers[0])
+    before = chunked_logits(model, ids)
+    change(model.model.layers[0])
+    fused, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    assert torch.equal(fused, _plain(model, lambda: chunked_logits(model, ids)))
+    if change in (_accelerate_removed, _not_a_dict):  # nothing the layer computes changed: still fused
+        assert calls == 5 * len(model.model.layers) and torch.equal(fused, before)
+    else:
+        assert not torch.equal(fused, before)
+
+
+@pytest.mark.parametrize("setting", [("forward", None), ("streamed", True)])
+def test_a_module_that_would_raise_makes_the_fused_layer_raise(setting, tiny_awq, kernels_built):
+    """An instance ``forward = None``, or a projection marked streamed by hand (no staging slot): the layer's own
+    forward raises, and so does the fused one (it must not compute from what it read before)."""
+    model = load_awq(tiny_awq["llama"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(31))
+    chunked_logits(model, ids)
+    setattr(model.model.layers[0].self_attn.v_proj, *setting)
+    with pytest.raises((TypeError, RuntimeError)):
+        chunked_logits(model, ids)
+
+
+def test_a_dtype_change_of_the_biases_keeps_the_layers_fused(tiny_awq, kernels_built):
+    """``Module.to`` converts Parameters in place: the bias dtypes are checked on each call, not remembered."""
+    model = load_awq(tiny_awq["qwen2"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(37))
+    chunked_logits(model, ids)
+    model.to(torch.float32)
+    fused, calls = layer_op_calls(lambda: chunked_logits(model, ids))
+    assert calls == 5 * len(model.model.layers)
+    assert torch.equal(fused, _plain(model, lambda: chunked_logits(model, ids)))
+
+
+def test_a_fused_model_referenced_from_its_own_hooks_is_freed(tiny_awq, kernels_built):
+    """What a fused layer remembers lives on the layer: a hook whose closure holds the model is an ordinary cycle."""
+    import gc
+    import weakref
+
+    model = load_awq(tiny_awq["llama"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    chunked_logits(model, torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(41)))
+    model.model.layers[0].mlp.up_proj.register_forward_hook(lambda module, args, out, _model=model: None)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
 def test_a_meta_or_other_dtype_bias_runs_the_layers_own_forward(tiny_awq, kernels_built):
     model = load_awq(tiny_awq["qwen2"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
     layer = model.model.layers[0]
