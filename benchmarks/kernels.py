@@ -21,6 +21,9 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   speculation). Greedy continuations are compared.
 
     python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2]
+
+``--paths avx512_bf16_novbmi`` runs the avx512_bf16 path with int4 decoded as on a CPU with AVX-512 BF16
+but no VBMI (Cooper Lake; ``KVBOOST_HF_KERNEL_VBMI=0``): the same bits, that host's decoding.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from _common import DOCS_BENCH, environment, median, write_json  # noqa: E402
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
 TORCH_CAPABILITY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "default"}
+# Pseudo-paths: a path with one of its host features turned off (as on a CPU without it).
+VARIANTS = {"avx512_bf16_novbmi": ("avx512_bf16", {"KVBOOST_HF_KERNEL_VBMI": "0"})}
 ONEDNN_ISA = {"avx512": "AVX512_CORE", "avx2": "AVX2", "scalar": "SSE41"}  # a host of the path's class
 
 
@@ -219,7 +224,8 @@ def worker(reps: int) -> dict:
     status = kernels.available()
     if not status.built:
         raise SystemExit(f"kernels not built: {status.reason}")
-    return {"isa": status.isa, "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"isa": status.isa + ("" if os.environ.get("KVBOOST_HF_KERNEL_VBMI") != "0" else " (no VBMI)"),
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "host"),
             "torch_bf16_on_onednn": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "bandwidth_gbs": bandwidth_gbs(reps), "layers": layer_rows(reps), "model": whole_model(reps)}
@@ -238,10 +244,11 @@ def main() -> None:
         return
     results = {}
     for path in args.paths.split(","):
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": TORCH_CAPABILITY[path], "KVBOOST_HF_KERNEL_ISA": path}
+        isa, extra = VARIANTS.get(path, (path, {}))
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": TORCH_CAPABILITY[isa], "KVBOOST_HF_KERNEL_ISA": isa, **extra}
         env.pop("ONEDNN_MAX_CPU_ISA", None)
-        if path in ONEDNN_ISA and not args.native_onednn:
-            env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[path]
+        if isa in ONEDNN_ISA and not args.native_onednn:
+            env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[isa]
         done = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(args.reps)], env=env, check=True,
                               capture_output=True, text=True)
         results[path] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -326,15 +326,7 @@ void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* x
 // up and down projections at 9 rows from DRAM: 8.2 -> 5.7 ms against the strip); without it, 4.
 constexpr int64_t kFusedRows[2] = {4, 12};
 
-// Whether this host decodes a group's codes with VBMI (Cooper Lake has BF16 without VBMI).
-static bool decodes_with_vbmi(int64_t group) {
-  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
-  return vbmi && group % 8 == 0;
-}
-
-int64_t strip_words(int64_t m, int64_t k, int64_t group) {
-  return m > kFusedRows[decodes_with_vbmi(group)] ? k * 8 : 0;
-}
+int64_t strip_words(int64_t m, int64_t k, bool vbmi) { return m > kFusedRows[vbmi] ? k * 8 : 0; }
 
 // One block (two or four for one or two rows), `b` advanced past all but the last; m <= kFusedRows[VBMI].
 template <bool VBMI>
@@ -373,19 +365,19 @@ void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_
 }
 
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
-                 int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
+                 int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip,
+                 bool vbmi) {
   if (m <= 0) return;  // no rows: the row tiles below assume at least one
   static const VbmiCodes codes;
   const int64_t groups = k / group, qstride = k * 8, sstride = groups * 16;
   const __m512i table = code_table();
-  const bool decode4 = decodes_with_vbmi(group);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qb = q + b * qstride;
     const float* sb = scales + b * sstride;
     const float* zb = zeros + b * sstride;
     float* ob = out + 16 * b;
-    if (m <= kFusedRows[decode4]) {
-      if (decode4)
+    if (m <= kFusedRows[vbmi]) {
+      if (vbmi)
         few_rows<true>(x, m, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, b, b1, codes);
       else
         few_rows<false>(x, m, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, b, b1, codes);

@@ -80,11 +80,14 @@ KVB_DECLARE_ISA(kvb_avx512)
 // `strip` holds strip_words(m, k, group) uint32 (a block's K x 16 codes as bf16 pairs, or none where
 // the rows are few enough to decode the codes in registers).
 namespace kvb_avx512bf16 {
-int64_t strip_words(int64_t m, int64_t k, int64_t group);
+// `vbmi`: decode the int4 codes with AVX-512 VBMI (only where the CPU has it and the group size is a multiple of
+// 8; decided once per call by the caller and passed to both functions): the two decodings give the same bits.
+int64_t strip_words(int64_t m, int64_t k, bool vbmi);
 // xs: per row and group, the pair sum of x (group_sums), computed once per call.
 void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* xs);
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
-                 int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
+                 int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip,
+                 bool vbmi);
 // Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations: 16 lanes of k-pairs, then
 // the fixed tree.
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,

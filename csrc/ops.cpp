@@ -33,6 +33,22 @@ int64_t host_level() {
 
 std::atomic<int64_t> g_level{host_level()};
 
+// Whether the AVX-512 BF16 path may decode int4 with VBMI (set_vbmi(false): as on a CPU with BF16 but no VBMI,
+// Cooper Lake; the same bits, for tests and benchmarks of that decoding on this host).
+std::atomic<bool> g_vbmi_allowed{true};
+
+bool host_vbmi() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+}
+
+bool set_vbmi(bool allowed) {
+  g_vbmi_allowed.store(allowed);
+  return allowed && host_vbmi();
+}
+
+bool vbmi_decoding(int64_t group) { return g_vbmi_allowed.load() && host_vbmi() && group % 8 == 0; }
+
 // Selects the ISA path: the wanted level, lowered to what this CPU has. Returns the level in effect.
 int64_t set_level(int64_t wanted) {
   const int64_t level = std::max<int64_t>(kScalar, std::min(wanted, host_level()));
@@ -282,8 +298,9 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
   float* op = out.data_ptr<float>();
   std::vector<float> xs(bf16 ? m * (k / group) : 0);
   if (bf16) kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, group, xs.data());
+  const bool vbmi = bf16 && vbmi_decoding(group);  // once: the strip's size depends on it
   at::parallel_for(0, blocks, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint32_t> strip_bf16(bf16 ? kvb_avx512bf16::strip_words(m, k, group) : 0);
+    std::vector<uint32_t> strip_bf16(bf16 ? kvb_avx512bf16::strip_words(m, k, vbmi) : 0);
     std::vector<float> strip(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
     for (size_t i = 0; i < ws.size(); ++i) {  // the blocks of [g0, g1) that belong to weight i
       const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
@@ -291,7 +308,7 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
       const KvbInt4Weight& w = ws[i];
       if (bf16)
         kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, w.q, w.scales, w.zeros,
-                                    group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16.data());
+                                    group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16.data(), vbmi);
       else
         KVB_BY_LEVEL(level, int4_blocks, xc.data_ptr<float>(), m, k, w.q, w.scales, w.zeros, group, b0, b1,
                      op + offsets[i], ldo, strip.data());
@@ -312,6 +329,7 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("set_isa_level(int level) -> int", &set_level);
   m.def("isa_level() -> int", &get_level);
   m.def("host_isa_level() -> int", &get_host_level);
+  m.def("set_vbmi(bool allowed) -> bool", &set_vbmi);
 }
 
 TORCH_LIBRARY_IMPL(kvboost, CPU, m) {

@@ -40,6 +40,7 @@ from kvboost_hf.kernels.ops import (
     linear,
     loaded,
     select_isa,
+    set_vbmi,
 )
 
 
@@ -63,6 +64,6 @@ def available() -> KernelStatus:
 __all__ = [
     "ISA_LEVELS", "DenseBlocks", "Int4Blocks", "Int8Blocks", "KernelLinear", "KernelStatus", "available",
     "current_isa", "dense_linear", "fuse_layers", "host_isa", "int4_groups", "int4_linear", "int4_numerics",
-    "int4_qweight", "int8_linear", "linear", "pack_dense", "pack_int4", "pack_int8", "select_isa", "unfuse_layers",
-    "unpack_int4",
+    "int4_qweight", "int8_linear", "linear", "pack_dense", "pack_int4", "pack_int8", "select_isa", "set_vbmi",
+    "unfuse_layers", "unpack_int4",
 ]

@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 # avx512_bf16 differs from avx512 only for int4 weights with bf16 activations (vdpbf16ps: its own bits).
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
 ISA_ENV = "KVBOOST_HF_KERNEL_ISA"  # force a path (lowered to what the CPU has)
+VBMI_ENV = "KVBOOST_HF_KERNEL_VBMI"  # "0": the avx512_bf16 path decodes int4 without VBMI (see set_vbmi)
 _TORCH_CAPABILITY = {"AVX512": "avx512_bf16", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the attention and norm ops take
@@ -34,6 +35,8 @@ def loaded() -> bool:
         if not _registered:
             _register_fakes()
             select_isa(None)
+            if os.environ.get(VBMI_ENV) == "0":
+                set_vbmi(False)
             _registered = True
     return True
 
@@ -61,6 +64,16 @@ def select_isa(name: str | None) -> str:
     if ISA_LEVELS[level] != wanted:
         logger.info("kernel path %s is not available on this CPU; using %s", wanted, ISA_LEVELS[level])
     return ISA_LEVELS[level]
+
+
+def set_vbmi(allowed: bool) -> bool:
+    """Let the avx512_bf16 path decode int4 codes with AVX-512 VBMI where the CPU has it (the default), or make it
+    decode them as on a CPU with AVX-512 BF16 but no VBMI (Cooper Lake): the same bits, another speed; for tests
+    and benchmarks of that decoding on any host (``$KVBOOST_HF_KERNEL_VBMI=0`` at load). Returns whether VBMI
+    decoding is now in effect."""
+    if load_library().library is None:
+        raise RuntimeError("kvboost_hf kernels are not built: see kvboost_hf.kernels.available()")
+    return bool(torch.ops.kvboost.set_vbmi(bool(allowed)))
 
 
 def int4_numerics() -> str:
