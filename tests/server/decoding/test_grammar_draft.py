@@ -14,7 +14,9 @@ import jsonschema
 import pytest
 import torch
 
-from kvboost_hf import ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, make_draft
+from kvboost_hf import (ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, kernels,
+                        last_request_stats, make_draft)
+from kvboost_hf.kernels.layer import KernelLayerMixin
 from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB, make_tiny
 from tests.server.decoding.test_grammar_mask import SCHEMA, char_tokenizer, decode
@@ -111,3 +113,40 @@ def test_the_mask_follows_the_tokens_it_is_shown_not_its_call_count(setup):
     jumping = masks([0, 1, 2, 3, 4, 5, 6, 7, 8, 3, 4, 9, 10, 2, 11, 6, 17, 18, 12, 1, 14])
     for n, allowed in jumping.items():
         assert torch.equal(allowed, plain[n]), n
+
+
+@pytest.fixture(scope="module")
+def int4_models(tmp_path_factory):
+    """Tiny llama and gemma3 packed to int4 and loaded on kvboost_hf's kernels (fused layers where built)."""
+    from kvboost_hf.streaming.pack import pack_model
+    from tests.streaming.conftest import TINY_GROUP, TINY_LAYERS, load_awq
+
+    models = {}
+    for family, seed in (("llama", 1), ("gemma3", 4)):  # seeds whose greedy replies close both schemas in 60 tokens
+        path = tmp_path_factory.mktemp(f"awq-{family}")
+        pack_model(make_tiny(family, seed=seed, num_layers=TINY_LAYERS), path, group_size=TINY_GROUP)
+        models[family] = load_awq(path, residency_mode="full_resident", kernel="auto", dtype=torch.bfloat16)
+    return models
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("schema", [SCHEMA, ARRAY], ids=["record", "array"])
+def test_an_int4_target_with_its_int4_self_draft_keeps_greedy_structured_replies(setup, int4_models, family, schema):
+    """The combination the server runs for an int4 model with --draft int4 and a response_format: an int4
+    target on our kernels (row-exact verification), its int4 self-draft, and the grammar mask."""
+    tokenizer, grammars = setup
+    model = int4_models[family]
+    prompt = torch.tensor([[1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7]])
+    plain = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False)
+    _valid(tokenizer, plain, schema)
+    enable_chunk_reuse(model, ChunkStore(max_bytes=20_000_000, chunk_size=8))
+    try:
+        for draft in ("prompt-lookup", "store", make_draft(model, bits=4)):
+            for _ in range(2):
+                out = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False, draft=draft,
+                                speculation=ALWAYS)
+                assert out == plain, getattr(draft, "draft_name", draft)
+        assert last_request_stats(model).speculation.drafted_tokens > 0  # the self-draft did draft
+        assert all(isinstance(layer, KernelLayerMixin) for layer in model.model.layers) or not kernels.available().built
+    finally:
+        disable_chunk_reuse(model)
