@@ -93,6 +93,17 @@ def gemma():
     return model, tokenizer
 
 
+@pytest.fixture(scope="session")
+def gemma_awq(gemma, tmp_path_factory):
+    """The embedded Gemma-3-270M packed by awq-pack's code (round-to-nearest, group size 128)."""
+    from kvboost_hf.streaming.pack import pack_model
+
+    model, tokenizer = gemma
+    path = tmp_path_factory.mktemp("awq-gemma")
+    pack_model(model, path, group_size=128, tokenizer=tokenizer)
+    return path
+
+
 @pytest.fixture
 def gemma_model(gemma):
     model, tokenizer = gemma

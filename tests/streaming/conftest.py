@@ -39,14 +39,5 @@ def tiny_awq(tmp_path_factory) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="session")
-def gemma_awq(gemma, tmp_path_factory):
-    """The embedded Gemma-3-270M packed by awq-pack's code (round-to-nearest, group size 128)."""
-    model, tokenizer = gemma
-    path = tmp_path_factory.mktemp("awq-gemma")
-    pack_model(model, path, group_size=128, tokenizer=tokenizer)
-    return path
-
-
-@pytest.fixture(scope="session")
 def mmap_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("awq-int4pack")

@@ -13,10 +13,13 @@ import json
 import jsonschema
 import pytest
 
-from kvboost_hf import ChunkStore, ControllerSettings
+import torch
+
+from kvboost_hf import ChunkStore, ControllerSettings, last_request_stats, make_draft
 from kvboost_hf.speculative import set_default_draft
 from tests.server.conftest import serve
 from tests.server.decoding.test_structured import ADD, PERSON, WEATHER
+from tests.streaming.conftest import load_awq
 
 pytestmark = pytest.mark.gemma
 NAME = "gemma"
@@ -79,3 +82,27 @@ def test_a_seed_decides_a_sampled_reply_with_a_draft(server):
         texts = {chat(server, prompt, draft=draft, temperature=0.9, seed=42, max_tokens=24).choices[0].message.content
                  for _ in range(2)}
         assert len(texts) == 1, (draft, texts)
+
+
+@pytest.fixture(scope="module")
+def int4_server(gemma, gemma_awq):
+    """The embedded Gemma packed to int4 and served on kvboost_hf's kernels (fused layers, row-exact verification)."""
+    model = load_awq(gemma_awq, residency_mode="full_resident", kernel="auto", dtype=torch.bfloat16)
+    with serve(model, gemma[1], ChunkStore(max_bytes=400_000_000, chunk_size=32), model_name=NAME,
+               scheduler="workers") as running:
+        yield running
+
+
+def test_an_int4_model_with_its_int4_self_draft_gives_the_plain_structured_reply(int4_server):
+    """The server's combination for `--draft int4` on an int4 checkpoint with a response_format: the self-draft's
+    rounds pass the grammar and the target's row-exact verification and change no token."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    plain = chat(int4_server, "Describe a person.", response_format=fmt)
+    draft = make_draft(int4_server.model, bits=4)
+    for draft_kind in (draft, "prompt-lookup"):
+        out = chat(int4_server, "Describe a person.", draft=draft_kind, response_format=fmt)
+        assert out.choices[0].message.content == plain.choices[0].message.content, draft_kind
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+        if draft_kind is draft:
+            assert last_request_stats(int4_server.model).speculation.drafted_tokens > 0
