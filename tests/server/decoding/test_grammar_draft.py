@@ -45,18 +45,24 @@ def _valid(tokenizer, reply: list[int], schema) -> None:
 @pytest.mark.parametrize("family, seed", [("llama", 1), ("qwen2", 2), ("gemma3", 3)])
 @pytest.mark.parametrize("schema", [SCHEMA, ARRAY], ids=["record", "array"])
 def test_greedy_structured_replies_are_the_same_with_every_draft(setup, family, seed, schema):
+    _assert_drafts_keep_the_plain_reply(setup, make_tiny(family, seed=seed), schema, bits=8)
+
+
+def _assert_drafts_keep_the_plain_reply(setup, model, schema, bits: int) -> None:
+    """Greedy structured replies with prompt lookup, store-wide drafts and a ``bits`` self-draft (each drafting every
+    round) are the reply without a draft, which is valid."""
     tokenizer, grammars = setup
-    model = make_tiny(family, seed=seed)
     prompt = torch.tensor([[1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7]])
     plain = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False)
     _valid(tokenizer, plain, schema)
     enable_chunk_reuse(model, ChunkStore(max_bytes=20_000_000, chunk_size=8))
     try:
-        for draft in ("prompt-lookup", "store", make_draft(model, bits=8)):
+        for draft in ("prompt-lookup", "store", make_draft(model, bits=bits)):
             for _ in range(2):  # the second run of "store" drafts the first run's reply
                 out = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False, draft=draft,
                                 speculation=ALWAYS)
                 assert out == plain, getattr(draft, "draft_name", draft)
+        assert last_request_stats(model).speculation.drafted_tokens > 0  # the self-draft did draft
     finally:
         disable_chunk_reuse(model)
 
@@ -134,19 +140,6 @@ def int4_models(tmp_path_factory):
 def test_an_int4_target_with_its_int4_self_draft_keeps_greedy_structured_replies(setup, int4_models, family, schema):
     """The combination the server runs for an int4 model with --draft int4 and a response_format: an int4
     target on our kernels (row-exact verification), its int4 self-draft, and the grammar mask."""
-    tokenizer, grammars = setup
     model = int4_models[family]
-    prompt = torch.tensor([[1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7]])
-    plain = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False)
-    _valid(tokenizer, plain, schema)
-    enable_chunk_reuse(model, ChunkStore(max_bytes=20_000_000, chunk_size=8))
-    try:
-        for draft in ("prompt-lookup", "store", make_draft(model, bits=4)):
-            for _ in range(2):
-                out = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False, draft=draft,
-                                speculation=ALWAYS)
-                assert out == plain, getattr(draft, "draft_name", draft)
-        assert last_request_stats(model).speculation.drafted_tokens > 0  # the self-draft did draft
-        assert all(isinstance(layer, KernelLayerMixin) for layer in model.model.layers) or not kernels.available().built
-    finally:
-        disable_chunk_reuse(model)
+    _assert_drafts_keep_the_plain_reply(setup, model, schema, bits=4)
+    assert all(isinstance(layer, KernelLayerMixin) for layer in model.model.layers) or not kernels.available().built
