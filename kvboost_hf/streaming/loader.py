@@ -131,6 +131,19 @@ class StreamingRuntime:
             self._hooks.append(model.register_forward_hook(self._exit, always_call=True))
         setattr(model, RUNTIME_ATTR, self)
 
+    def __getstate__(self) -> dict:
+        """A resident model's runtime copies (``copy.deepcopy``, ``torch.save``) with a lock of its own; a streamed
+        one's does not: its streamer's thread and staging slots serve the original's layers."""
+        if self.streamer is not None:
+            raise TypeError("a streamed AWQ model cannot be copied or pickled (its layer streamer serves the "
+                            "original's layers): load the checkpoint again with from_pretrained, or load it "
+                            "with residency_mode='full_resident' to copy it")
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
     def _enter(self, module, args) -> None:
         self.lock.acquire()
 

@@ -52,6 +52,13 @@ class StreamingStats:
         with self._lock:
             return replace(self, _lock=threading.Lock())
 
+    def __getstate__(self) -> dict:  # a copy (deepcopy, pickle) gets its own lock
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def reset(self) -> None:
         with self._lock:
             for name in ("hits", "late", "misses", "loads", "bytes_moved"):
