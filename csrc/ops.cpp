@@ -37,9 +37,12 @@ std::atomic<int64_t> g_level{host_level()};
 // Cooper Lake; the same bits, for tests and benchmarks of that decoding on this host).
 std::atomic<bool> g_vbmi_allowed{true};
 
-bool host_vbmi() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vbmi");
+bool host_vbmi() {  // read once: vbmi_decoding runs on every int4 call
+  static const bool vbmi = [] {
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512vbmi"));
+  }();
+  return vbmi;
 }
 
 bool set_vbmi(bool allowed) {

@@ -293,8 +293,7 @@ def _read(layer: nn.Module, modules: tuple, attn: nn.Module) -> _Cached | None:
     slots += [(m.__dict__, k, m.__dict__.get(k, _ABSENT)) for m in modules for k in _HOOK_ATTRIBUTES]
     if not all(type(d).get is dict.get for d, _, _ in slots):
         return None
-    hooks = [m.__dict__.get(k) for m in modules for k in _HOOK_ATTRIBUTES[:2]
-             if not (m is attn and k == "_forward_hooks")]
+    hooks = [m.__dict__.get(k) for m in modules for k in _HOOK_DICTS if not (m is attn and k == "_forward_hooks")]
     dicts, keys, values = zip(*slots)
     capture = attn.__dict__.get("_forward_hooks")
     return _Cached(modules, tuple(map(type, modules)), dicts, keys, values, tuple(hooks), capture,
@@ -306,8 +305,9 @@ def _read(layer: nn.Module, modules: tuple, attn: nn.Module) -> _Cached | None:
 # every call (_attention_function).
 _READ_ATTRIBUTES = ("staged_weight", "streamed", "eps", "out_features", "group_size", "kernel", "bias",
                     "approximate", "act")
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 # What _hooked reads ("forward": an instance's, absent or not), and the dicts the tensor slots were read from.
-_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "forward", "_buffers", "_parameters")
+_HOOK_ATTRIBUTES = (*_HOOK_DICTS, "forward", "_buffers", "_parameters")
 CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers' output-capture hooks are defined
 
 
