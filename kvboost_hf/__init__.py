@@ -32,7 +32,8 @@ attention.register()
 register_extension("speculation", lambda: importlib.import_module("kvboost_hf.speculative.extension").EXTENSION)
 
 # Public names imported on first use: {name: module}.
-_LAZY = {"ControllerSettings": ".speculative", "SpeculationStats": ".speculative", "make_draft": ".speculative"}
+_LAZY = {"ControllerSettings": ".speculative", "SpeculationStats": ".speculative", "make_draft": ".speculative",
+         "make_head_draft": ".speculative"}
 
 
 def __getattr__(name: str) -> Any:
@@ -58,6 +59,7 @@ __all__ = [
     "is_chunk_reuse_enabled",
     "last_request_stats",
     "make_draft",
+    "make_head_draft",
     "ControllerSettings",
     "SpeculationStats",
     "refresh_namespace",

@@ -15,6 +15,7 @@ from kvboost_hf.reuse import ReuseState, reuse_state
 from kvboost_hf.speculative import request as speculation
 from kvboost_hf.speculative.controller import ControllerSettings
 from kvboost_hf.speculative.exact_rows import verifying
+from kvboost_hf.speculative.head_draft import head_verification
 from kvboost_hf.speculative.model_state import model_state
 from kvboost_hf.speculative.totals import SpeculationTotals
 
@@ -27,8 +28,11 @@ class SpeculationSession:
 
     @contextlib.contextmanager
     def around(self) -> Iterator[None]:
-        with verifying(self.model) as exact:  # verification forwards route attention per row when they can
-            self.request.exact_rows = bool(exact)
+        with contextlib.ExitStack() as stack:
+            # Verification forwards route attention per row when they can.
+            self.request.exact_rows = bool(stack.enter_context(verifying(self.model)))
+            if self.request.kind == "head":  # its verification computes only the rows it did not
+                stack.enter_context(head_verification(self.model))
             yield
 
     def candidate_generator(self, model, generator, generation_config, input_ids, logits_processor, tokenizer):

@@ -64,10 +64,16 @@ class MeasuredCandidateGenerator(CandidateGenerator):
         self.proposer, self.controller, self.stats, self.max_length = proposer, controller, stats, max_length
         self.exact_rows = exact_rows
         self.limits = limits if limits else None
+        # A proposer that drafts with the target's own cache reads generate's model kwargs: transformers
+        # passes them to get_candidates of a generator that requires model outputs (and merges no overrides).
+        self.requires_model_outputs = hasattr(proposer, "model_kwargs")
+        self.model_kwargs_overrides: dict = {}
         self._drafted, self._draft_ms, self._drafted_at, self._measured_at, self._unseen = 0, 0.0, 0.0, 0.0, 0
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
+        if self.requires_model_outputs:
+            self.proposer.model_kwargs = kwargs.get("model_kwargs")
         room = max(0, self.max_length - input_ids.shape[1] - 1)  # the target adds one token itself
         counted: list[int] = []
 

@@ -4,7 +4,9 @@
 
 - ``"prompt-lookup"``: continuations of n-grams of this request (prompt and reply so far);
 - ``"store"``: the same, plus continuations found in every sequence the store holds;
-- a model (an HF assistant sharing the tokenizer, or :func:`~kvboost_hf.make_draft`'s self-draft).
+- a model (an HF assistant sharing the tokenizer, or :func:`~kvboost_hf.make_draft`'s self-draft);
+- a :class:`~kvboost_hf.speculative.head_draft.HeadDraft` (:func:`~kvboost_hf.make_head_draft`): the
+  target's own layers with a small head, verified by the target's LM head alone.
 
 ``assistant_model=`` is treated like ``draft=<model>``; HF's ``prompt_lookup_num_tokens`` alone
 keeps HF's generator and only gains telemetry. ``speculation=ControllerSettings(...)`` tunes the
@@ -28,6 +30,7 @@ from kvboost_hf.reuse import reuse_state
 from kvboost_hf.speculative.controller import ControllerSettings, DraftController
 from kvboost_hf.speculative.draft_limits import draft_limits
 from kvboost_hf.speculative.generator import FixedProposer, MeasuredCandidateGenerator
+from kvboost_hf.speculative.head_draft import HeadDraft, HeadProposer
 from kvboost_hf.speculative.lookup import LazyStoreNgrams, LookupProposer, store_ngrams
 from kvboost_hf.speculative.model_draft import ModelProposer
 from kvboost_hf.speculative.model_state import model_state
@@ -44,7 +47,7 @@ _store_followers: weakref.WeakSet = weakref.WeakSet()  # drafts whose reuse was 
 
 @dataclass
 class SpeculationRequest:
-    kind: str  # "prompt-lookup", "store", "model" or "hf" (HF's own generator, telemetry only)
+    kind: str  # "prompt-lookup", "store", "model", "head" or "hf" (HF's own generator, telemetry only)
     settings: ControllerSettings
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     proposer: object = None
@@ -53,6 +56,7 @@ class SpeculationRequest:
     exact_rows: bool = False  # verification forwards route attention per row (exact_rows.py)
     scope: CacheScope | None = None  # the call's cache_salt: store-wide drafts read only its own entries
     stopping_criteria: list = field(default_factory=list)  # the caller's, asked about drafts if side-effect free
+    head_draft: HeadDraft | None = None  # kind "head": the draft's head
 
 
 def prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None = None) -> SpeculationRequest | None:
@@ -82,11 +86,14 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
     settings = _settings(settings, lookup=isinstance(draft, str))
     if draft is not None and assistant is not None:
         raise ValueError("pass either draft= or assistant_model=, not both")
-    if isinstance(draft, str):
+    if isinstance(draft, (str, HeadDraft)):
         validate_draft(model, draft)
         if kwargs.get("prompt_lookup_num_tokens") is not None:
-            raise ValueError(f"draft={draft!r} already drafts by lookup: drop prompt_lookup_num_tokens")
+            raise ValueError(f"draft={getattr(draft, 'draft_name', draft)!r} drafts itself: drop prompt_lookup_num_tokens")
         kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
+        if isinstance(draft, HeadDraft):
+            return SpeculationRequest("head", settings, SpeculationStats(draft=draft.draft_name),
+                                      memory_key=("head", id(draft)), head_draft=draft)
         return SpeculationRequest(draft, settings, SpeculationStats(draft=draft), memory_key=draft)
     assistant = draft if draft is not None else assistant
     if kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None:
@@ -110,11 +117,14 @@ def validate_draft(model: torch.nn.Module, draft) -> None:
     """Raise a ValueError / TypeError naming ``draft`` when it cannot draft for ``model``."""
     if isinstance(draft, str):
         if draft not in LOOKUP_DRAFTS:
-            raise ValueError(f"draft={draft!r}: expected one of {LOOKUP_DRAFTS} or a model")
+            raise ValueError(f"draft={draft!r}: expected one of {LOOKUP_DRAFTS}, a head draft or a model")
+        return
+    if isinstance(draft, HeadDraft):
+        draft.check(model)
         return
     if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "generate"):
-        raise TypeError(f"draft must be {LOOKUP_DRAFTS[0]!r}, {LOOKUP_DRAFTS[1]!r} or a generative model, "
-                        f"got {type(draft).__name__}")
+        raise TypeError(f"draft must be {LOOKUP_DRAFTS[0]!r}, {LOOKUP_DRAFTS[1]!r}, a head draft (make_head_draft) "
+                        f"or a generative model, got {type(draft).__name__}")
     check_vocabulary(model, draft)
 
 
@@ -181,6 +191,8 @@ def candidate_generator(model: torch.nn.Module, request: SpeculationRequest, gen
     if request.kind == "model" and isinstance(generator, AssistedCandidateGenerator):
         proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive,
                                  scope=request.scope, target=model, target_cache=target_cache)
+    elif request.kind == "head":
+        proposer = HeadProposer(model, request.head_draft, _eos_ids(generation_config), request.exact_rows)
     elif request.kind in LOOKUP_DRAFTS:
         store_index = LazyStoreNgrams(lambda: _store_index(model, request.scope)) if request.kind == "store" else None
         proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))

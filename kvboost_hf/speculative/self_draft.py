@@ -32,7 +32,7 @@ from kvboost_hf.reuse import STATE_ATTR
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
 from kvboost_hf.speculative.shared_prompt import record_source
-from kvboost_hf.speculative.vocab import draft_vocabulary, token_ranking
+from kvboost_hf.speculative.vocab import draft_vocabulary, special_token_ids, token_ranking
 from kvboost_hf.streaming.fused import fuse_projections
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from kvboost_hf.streaming.loader import RUNTIME_ATTR
@@ -91,7 +91,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     tokens = None
     if vocab is not None:
         ranking = token_ranking(tokenizer, config.vocab_size, texts)
-        tokens = draft_vocabulary(ranking, vocab, _special_ids(model, tokenizer))
+        tokens = draft_vocabulary(ranking, vocab, special_token_ids(model, tokenizer))
     draft.lm_head = DraftHead.build(model.get_output_embeddings(), head_bits, config.vocab_size, tokens,
                                     getattr(config, "final_logit_softcapping", None))
     if getattr(draft.config, "final_logit_softcapping", None) is not None:
@@ -224,13 +224,3 @@ def _resident_copy(module: AWQInt4Linear, runtime, name: str) -> Int4DraftLinear
     if module.bias is not None:
         copy_.bias = module.bias
     return copy_
-
-
-def _special_ids(model: nn.Module, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for source in (model.generation_config, model.config):
-        for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            value = getattr(source, attr, None)
-            ids.extend(value if isinstance(value, list) else [value] if value is not None else [])
-    ids.extend(getattr(tokenizer, "all_special_ids", []) or [])
-    return ids

@@ -71,3 +71,14 @@ def draft_vocabulary(ranking: torch.Tensor, size: int, always: Sequence[int] = (
         raise ValueError(f"vocab must be >= 1, got {size}")
     chosen = set(ranking[:size].tolist()) | {int(t) for t in always if 0 <= int(t) < ranking.numel()}
     return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def special_token_ids(model, tokenizer) -> list[int]:
+    """The model's eos / bos / pad ids and the tokenizer's special ids: a draft vocabulary always keeps them."""
+    ids: list[int] = []
+    for source in (model.generation_config, model.config):
+        for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(source, attr, None)
+            ids.extend(value if isinstance(value, list) else [value] if value is not None else [])
+    ids.extend(getattr(tokenizer, "all_special_ids", []) or [])
+    return ids

@@ -15,7 +15,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 
-from kvboost_hf import ControllerSettings, make_draft
+from kvboost_hf import ControllerSettings, make_draft, make_head_draft
 from kvboost_hf.speculative.draft_limits import DraftLimits, draft_limits
 from tests.conftest import VOCAB, make_tiny
 
@@ -25,7 +25,7 @@ PROMPT = torch.tensor([[1, 5, 9, 7, 5, 9, 7, 5, 9, 11, 13, 5, 9, 7]])
 
 
 def _drafts(target) -> list:
-    return ["prompt-lookup", "store", make_draft(target, bits=8)]
+    return ["prompt-lookup", "store", make_draft(target, bits=8), make_head_draft(target)]
 
 
 def _tokenizer():
@@ -67,7 +67,7 @@ def test_stop_strings_end_a_draft_request_where_plain_decoding_ends(family, seed
                                   tokenizer=tokenizer, draft=draft, speculation=ALWAYS)
             assert out.tolist() == plain.tolist(), (stop, getattr(draft, "draft_name", draft))
             checked += 1
-    assert checked == 9
+    assert checked == 3 * len(_drafts(target))
 
 
 class _StopAfterText(StoppingCriteria):
@@ -133,7 +133,8 @@ def test_a_seeded_sampled_reply_does_not_depend_on_the_draft_length_or_kind(fami
     replies = []
     settings = [ControllerSettings(adaptive=False, max_tokens=k, start_tokens=1, probe_tokens=1) for k in (1, 3, 7)]
     runs = [(d, s) for d in ("prompt-lookup", "store") for s in settings]
-    runs += [(make_draft(target, bits=8), settings[1]), ("prompt-lookup", ControllerSettings(min_gain=0.5))]
+    runs += [(make_draft(target, bits=8), settings[1]), (make_head_draft(target), settings[2]),
+             ("prompt-lookup", ControllerSettings(min_gain=0.5))]
     for draft, setting in runs:
         torch.manual_seed(123)
         out = target.generate(PROMPT, max_new_tokens=30, do_sample=True, temperature=1.3, top_k=20,

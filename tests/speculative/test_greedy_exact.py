@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_hf import ControllerSettings, disable_chunk_reuse, last_request_stats, make_draft
+from kvboost_hf import ControllerSettings, disable_chunk_reuse, last_request_stats, make_draft, make_head_draft
 from tests.conftest import FAMILIES, make_tiny, make_tiny_tokenizer, random_ids, words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,6 +32,8 @@ def _drafts(family: str, model) -> dict:
         "int4-bf16": make_draft(model, bits=4, activations=torch.bfloat16),
         "int8-layers1": make_draft(model, bits=8, layers=1),  # activations="auto": depends on the CPU
         "int4-vocab48": make_draft(model, bits=4, vocab=48, tokenizer=tokenizer, texts=texts),
+        "head": make_head_draft(model),
+        "head-int4-vocab48": make_head_draft(model, 48, tokenizer=tokenizer, texts=texts, head_bits=4),
     }
 
 
@@ -64,7 +66,7 @@ def test_chunk_boundaries_and_lengths(family, tiny_models, max_tokens, reuse):
     refs = {new: model.generate(ids, max_new_tokens=new, do_sample=False) for new in (1, 2, 7, 13)}
     reuse(model, chunk_size=4)
     for new, ref in refs.items():
-        for kind in ("store", draft):
+        for kind in ("store", draft, make_head_draft(model)):
             out = model.generate(ids, max_new_tokens=new, do_sample=False, draft=kind, speculation=settings)
             assert torch.equal(out, ref), (new, kind)
 

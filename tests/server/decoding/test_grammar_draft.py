@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvboost_hf import (ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, kernels,
-                        last_request_stats, make_draft)
+                        last_request_stats, make_draft, make_head_draft)
 from kvboost_hf.kernels.layer import KernelLayerMixin
 from kvboost_hf.server.decoding.structured import GrammarCompilers
 from tests.conftest import VOCAB, make_tiny
@@ -49,15 +49,15 @@ def test_greedy_structured_replies_are_the_same_with_every_draft(setup, family, 
 
 
 def _assert_drafts_keep_the_plain_reply(setup, model, schema, bits: int) -> None:
-    """Greedy structured replies with prompt lookup, store-wide drafts and a ``bits`` self-draft (each drafting every
-    round) are the reply without a draft, which is valid."""
+    """Greedy structured replies with prompt lookup, store-wide drafts, a ``bits`` self-draft and a head draft (each
+    drafting every round) are the reply without a draft, which is valid."""
     tokenizer, grammars = setup
     prompt = torch.tensor([[1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7]])
     plain = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False)
     _valid(tokenizer, plain, schema)
     enable_chunk_reuse(model, ChunkStore(max_bytes=20_000_000, chunk_size=8))
     try:
-        for draft in ("prompt-lookup", "store", make_draft(model, bits=bits)):
+        for draft in ("prompt-lookup", "store", make_head_draft(model), make_draft(model, bits=bits)):
             for _ in range(2):  # the second run of "store" drafts the first run's reply
                 out = _generate(model, grammars, tokenizer, schema, prompt, do_sample=False, draft=draft,
                                 speculation=ALWAYS)
@@ -74,13 +74,13 @@ def test_sampled_structured_replies_are_valid_and_seeded_with_every_draft(setup)
     enable_chunk_reuse(model, ChunkStore(max_bytes=20_000_000, chunk_size=8))
     try:
         replies = []
-        for draft in ("prompt-lookup", "store", make_draft(model, bits=8)):
+        for draft in ("prompt-lookup", "store", make_draft(model, bits=8), make_head_draft(model)):
             torch.manual_seed(11)
             out = _generate(model, grammars, tokenizer, SCHEMA, prompt, do_sample=True, temperature=1.5, top_k=0,
                             draft=draft, speculation=ALWAYS)
             _valid(tokenizer, out, SCHEMA)
             replies.append(out)
-        assert replies[0] == replies[1] == replies[2]
+        assert all(reply == replies[0] for reply in replies)
     finally:
         disable_chunk_reuse(model)
 
