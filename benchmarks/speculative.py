@@ -20,7 +20,8 @@ identical to the plain one. Workloads:
    compute and ``kernel="auto"``: kvboost_hf's own kernels where built), on the chat and document
    requests, plain against int4 self-drafts of its own weights: all layers (adaptive, and ``fixed8``:
    8 tokens asked for in every round of every request, transformers' confidence stop on), and the
-   first ``--lean-layers`` layers (issue 26's "RAM-resident int4 target with an int4 self-draft");
+   first ``--lean-layers`` layers (issue 26's "RAM-resident int4 target with an int4 self-draft"), and
+   against head drafts (``make_head_draft``: its own layers, an int8 FR-Spec head; adaptive and ``fixed8``);
 6. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
    passage itself, or whatever loop the base model falls into: both are lookup's best case).
 
@@ -48,7 +49,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DOCS_BENCH, environment, essays, median  # noqa: E402
 
-from kvboost_hf import ChunkStore, ControllerSettings, enable_chunk_reuse, last_request_stats, make_draft  # noqa: E402
+from kvboost_hf import (  # noqa: E402
+    ChunkStore,
+    ControllerSettings,
+    enable_chunk_reuse,
+    last_request_stats,
+    make_draft,
+    make_head_draft,
+)
 from kvboost_hf.generation.timing import FirstTokenTimer  # noqa: E402
 from kvboost_hf.models import cache_dir, load_default_model  # noqa: E402
 
@@ -304,10 +312,12 @@ def main() -> None:
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
     int4 = make_draft(model, bits=4, vocab=args.draft_vocab, tokenizer=tokenizer)
     int8 = make_draft(model, bits=8, vocab=args.draft_vocab, tokenizer=tokenizer)
+    head = make_head_draft(model, args.draft_vocab, tokenizer=tokenizer)
     hf_lookup = {"hf-prompt-lookup-10": {"prompt_lookup_num_tokens": 10}}
     common = {"plain": {}, "prompt-lookup": {"draft": "prompt-lookup"}, "store": {"draft": "store"},
               f"int4-vocab{args.draft_vocab // 1024}k": {"draft": int4},
-              f"int8-vocab{args.draft_vocab // 1024}k": {"draft": int8}, **hf_lookup}
+              f"int8-vocab{args.draft_vocab // 1024}k": {"draft": int8},
+              f"head-vocab{args.draft_vocab // 1024}k": {"draft": head}, **hf_lookup}
     chosen = args.workloads.split(",")
     wanted = args.variants.split(",") if args.variants else None
 
@@ -356,15 +366,18 @@ def main() -> None:
         # transformers' confidence stop is on and may end a round's draft early): the speed-up without the
         # controller's per-request decisions, which move the adaptive rows
         fixed = ControllerSettings(adaptive=False, max_tokens=8)
+        head = make_head_draft(resident, args.draft_vocab, tokenizer=tokenizer)
         variants = only({"plain": {}, f"int4-{vocab}": {"draft": full},
                          f"int4-{vocab}-fixed8": {"draft": full, "speculation": fixed},
-                         f"int4-{vocab}-layers{args.lean_layers}": {"draft": lean}})
+                         f"int4-{vocab}-layers{args.lean_layers}": {"draft": lean},
+                         f"head-{vocab}": {"draft": head},
+                         f"head-{vocab}-fixed8": {"draft": head, "speculation": fixed}})
         chat = [c[:1] for c in CHAT_TURNS[:1]] if args.quick else CHAT_TURNS
         result["workloads"]["int4 chat"] = bench_workload(resident, None, variants, args, eos, store_bytes,
                                                           chat=chat, tokenizer=tokenizer)
         prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
         result["workloads"]["int4 document"] = bench_workload(resident, prompts, variants, args, eos, store_bytes)
-        del resident, full, lean
+        del resident, full, lean, head
     import json
 
     out_dir = Path(tempfile.mkdtemp(prefix="speculative-quick-")) if args.quick else DOCS_BENCH

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Speculative decoding composed with chunk reuse: a self-draft, prompt lookup and store-wide drafts.
+"""Speculative decoding composed with chunk reuse: a self-draft, a head draft, prompt lookup and store-wide drafts.
 
     python examples/speculative_decoding.py                                  # embedded Gemma-3-270M
     python examples/speculative_decoding.py --draft int4 --draft_vocab 32768
+    python examples/speculative_decoding.py --draft head --draft_vocab 32768  # its own layers, a small head
     python examples/speculative_decoding.py --draft store --repeat 3
 
 Asks the same document-grounded question ``--repeat`` times. Each answer is checked identical
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
-from kvboost_hf import ChunkStore, enable_chunk_reuse, last_request_stats, make_draft
+from kvboost_hf import ChunkStore, enable_chunk_reuse, last_request_stats, make_draft, make_head_draft
 from kvboost_hf.models import load_model
 
 
@@ -27,8 +28,8 @@ from kvboost_hf.models import load_model
 class Arguments:
     model_name_or_path: str | None = field(default=None,
                                            metadata={"help": "HF model id or path; default: Gemma-3-270M"})
-    draft: str = field(default="store", metadata={"help": "int4, int8, prompt-lookup or store"})
-    draft_vocab: int | None = field(default=None, metadata={"help": "FR-Spec head size of a self-draft"})
+    draft: str = field(default="store", metadata={"help": "int4, int8, head, prompt-lookup or store"})
+    draft_vocab: int | None = field(default=None, metadata={"help": "FR-Spec head size of a self-draft or head draft"})
     draft_layers: int | None = field(default=None, metadata={"help": "self-draft keeps the first N layers"})
     max_new_tokens: int = field(default=48)
     repeat: int = field(default=2)
@@ -49,6 +50,8 @@ def main() -> None:
     if args.draft in ("int4", "int8"):
         draft = make_draft(model, bits=int(args.draft[3]), vocab=args.draft_vocab, layers=args.draft_layers,
                            tokenizer=tokenizer)
+    elif args.draft == "head":
+        draft = make_head_draft(model, args.draft_vocab, tokenizer=tokenizer)
     else:
         draft = args.draft
     for i in range(args.repeat):

@@ -122,11 +122,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="int4 GEMM: this package's CPU kernels (docs/kernels.md), torch's int4 op, or auto "
                           "(kvboost on CPU when its kernels are built)")
     spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--draft", default=None, metavar="int4|int8|prompt-lookup|store|PATH",
+    spec.add_argument("--draft", default=None, metavar="int4|int8|head|prompt-lookup|store|PATH",
                       help="draft for every request (greedy and sampling): a self-draft of the model (int4 / int8), "
-                           "prompt lookup, store-wide n-gram drafts, or an assistant model sharing the tokenizer")
+                           "a head draft (the model's own layers with an int8 head; verification runs only the "
+                           "model's head), prompt lookup, store-wide n-gram drafts, or an assistant model sharing "
+                           "the tokenizer")
     spec.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                      help="self-draft LM head restricted to the N most frequent tokens (FR-Spec)")
+                      help="self-draft / head-draft LM head restricted to the N most frequent tokens (FR-Spec)")
     spec.add_argument("--draft-layers", type=int, default=None, metavar="N",
                       help="self-draft keeps the first N decoder layers")
     ray = parser.add_argument_group("Ray Serve (pip install 'kvboost_hf[ray]')")
@@ -205,8 +207,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if draft and args.scheduler == "batch":
         raise ServeError("--draft runs with --scheduler workers (speculation inside a batched step is not built); "
                          "drop --scheduler batch")
-    if (args.draft_vocab is not None or args.draft_layers is not None) and draft not in ("int4", "int8"):
-        raise ServeError("--draft-vocab / --draft-layers shape a self-draft: add --draft int4 or --draft int8")
+    if args.draft_vocab is not None and draft not in ("int4", "int8", "head"):
+        raise ServeError("--draft-vocab shapes a draft's head: add --draft int4, int8 or head")
+    if args.draft_layers is not None and draft not in ("int4", "int8"):
+        raise ServeError("--draft-layers shapes a self-draft: add --draft int4 or --draft int8")
     if args.no_memory_planning:
         unused = [flag for flag, on in (("--memory-limit", args.memory_limit is not None),
                                         ("--auto-truncate", args.auto_truncate),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -62,7 +61,8 @@ class HeadDraft:
                              f"tokens; the model has {config.hidden_size} and {config.vocab_size}: build it from "
                              "the model it drafts for (make_head_draft(model, ...))")
         if not callable(getattr(model, "get_decoder", None)) or not isinstance(model.get_decoder(), nn.Module):
-            raise TypeError(f"a head draft needs a decoder-only CausalLM with get_decoder(), got {type(model).__name__}")
+            raise TypeError("a head draft needs a decoder-only CausalLM with get_decoder(), got "
+                            f"{type(model).__name__}")
 
 
 def make_head_draft(model: nn.Module, vocab: int | None = None, *, tokenizer=None, texts=None,

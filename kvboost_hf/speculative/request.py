@@ -89,7 +89,8 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
     if isinstance(draft, (str, HeadDraft)):
         validate_draft(model, draft)
         if kwargs.get("prompt_lookup_num_tokens") is not None:
-            raise ValueError(f"draft={getattr(draft, 'draft_name', draft)!r} drafts itself: drop prompt_lookup_num_tokens")
+            name = getattr(draft, "draft_name", draft)
+            raise ValueError(f"draft={name!r} drafts itself: drop prompt_lookup_num_tokens")
         kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
         if isinstance(draft, HeadDraft):
             return SpeculationRequest("head", settings, SpeculationStats(draft=draft.draft_name),

@@ -29,6 +29,12 @@ def test_transformers_call_site_is_unchanged():
     assert params[:3] == ["self", "generation_config", "input_ids"]
     assert {"inputs_tensor", "logits_processor", "model_kwargs", "assistant_model"} <= set(params)
     assert "candidate_generator.update_candidate_strategy(input_ids, new_logits, n_matches)" in source
+    # A head draft reads generate's model kwargs (its cache) through the path for generators that require model
+    # outputs, and its verification forward is the one call of the model in the loop.
+    assert "if candidate_generator.requires_model_outputs:" in source and "model_kwargs=model_kwargs," in source
+    assert "model_inputs |= candidate_generator.model_kwargs_overrides" in source
+    assert source.count("outputs = self(**model_inputs)") == 1
+    assert "outputs.past_key_values.crop(-number_of_tokens_to_crop)" in source
 
 
 def test_generate_uses_the_measured_generator(reuse, monkeypatch):

@@ -15,20 +15,29 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from torch import nn
 
-from kvboost_hf.speculative import ControllerSettings, make_draft, set_default_draft, speculation_totals
+from kvboost_hf.speculative import (
+    ControllerSettings,
+    make_draft,
+    make_head_draft,
+    set_default_draft,
+    speculation_totals,
+)
 from kvboost_hf.speculative.totals import metric_fields
 
-DRAFT_CHOICES = ("int4", "int8", "prompt-lookup", "store")
+DRAFT_CHOICES = ("int4", "int8", "head", "prompt-lookup", "store")
 
 
 
 def build_draft(spec: str, model: nn.Module, tokenizer, vocab: int | None = None, layers: int | None = None):
-    """What ``--draft SPEC`` names: ``int4`` / ``int8`` (a self-draft), ``prompt-lookup``, ``store``, or the
-    path (or HF id) of an assistant model sharing the tokenizer. Raises ValueError naming the flag."""
+    """What ``--draft SPEC`` names: ``int4`` / ``int8`` (a self-draft), ``head`` (a head draft), ``prompt-lookup``,
+    ``store``, or the path (or HF id) of an assistant model sharing the tokenizer. Raises ValueError naming the flag."""
     if spec in ("int4", "int8"):
         return make_draft(model, bits=int(spec[3]), vocab=vocab, layers=layers, tokenizer=tokenizer)
+    if spec == "head" and layers is None:
+        return make_head_draft(model, vocab, tokenizer=tokenizer)
     if vocab is not None or layers is not None:
-        raise ValueError("--draft-vocab / --draft-layers shape a self-draft: use them with --draft int4 or int8")
+        raise ValueError("--draft-vocab / --draft-layers shape a self-draft (--draft-vocab a head draft too): use them "
+                         "with --draft int4 or int8 (--draft-vocab also with --draft head)")
     if spec in ("prompt-lookup", "store"):
         return spec
     from kvboost_hf.models import load_model  # noqa: PLC0415 - only for an assistant checkpoint

@@ -27,7 +27,7 @@ def _replies(running, temperature=0.0) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "store", "prompt-lookup"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "head", "store", "prompt-lookup"])
 def test_greedy_replies_identical_with_and_without_draft(spec):
     model, tokenizer = make_tiny("qwen2", seed=6), tiny_tokenizer()
     with serve(model, tokenizer) as running:
@@ -42,7 +42,7 @@ def test_greedy_replies_identical_with_and_without_draft(spec):
         assert all(isinstance(text, str) for text in sampled)
         stats = httpx.get(f"{running.base_url}/v1/stats").json()["speculation"]
         assert stats["requests"] == 8 and stats["rounds"] > 0
-        assert stats["draft"] in (spec, f"{spec}-bf16") and stats["drafted_tokens"] > 0  # bf16: see make_draft
+        assert stats["draft"] in (spec, f"{spec}-bf16", "head-int8") and stats["drafted_tokens"] > 0  # bf16: make_draft
         assert sum(stats["accepted_histogram"]) == stats["speculative_rounds"]
         metrics = httpx.get(f"{running.base_url}/metrics").text
         assert "kvboost_spec_requests_total 8.0" in metrics
@@ -57,6 +57,8 @@ def test_bad_draft_flags_are_clear_errors(capsys, tmp_path):
         build_draft(str(tmp_path / "missing"), model, tokenizer)
     with pytest.raises(ValueError, match="--draft-vocab"):
         build_draft("store", model, tokenizer, vocab=10)
+    with pytest.raises(ValueError, match="--draft-layers"):
+        build_draft("head", model, tokenizer, layers=1)
     assert main(["serve", "--no-reuse", "--draft", "store"]) == 2
     assert "--draft needs reuse" in capsys.readouterr().err
     assert main(["serve", "--draft", "store", "--scheduler", "batch"]) == 2
