@@ -286,6 +286,15 @@ class ChunkReuseCache(DynamicCache):
             self._token_chunks = [torch.cat(self._token_chunks)[:keep]]
             self._num_tokens = keep
 
+    def drop_rows(self, count: int) -> None:
+        """Remove the last ``count`` rows of K/V that no tracked forward appended (a head draft forwards the
+        model's decoder directly: its rows are tracked by the verification forward that takes them). The tracked
+        token ids stay as they are; a sliding layer is cropped as ``crop`` crops it."""
+        if count > 0:
+            chunks, tokens = self._token_chunks, self._num_tokens
+            self.crop(-count)
+            self._token_chunks, self._num_tokens = chunks, tokens
+
     def reset(self) -> None:
         """Empty the cache so it can serve a new request (the store is untouched)."""
         super().reset()

@@ -22,6 +22,7 @@ model (``partial_resident``) reads its layers again for every drafted token: use
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -99,37 +100,50 @@ class DraftedRows:
     exact_rows: bool  # route attention per row (exact_rows.py) for the rows the verification computes
 
     def undo(self) -> None:
-        """Remove the draft's rows from the cache (a forward that is not their verification came first)."""
-        if self.cache.get_seq_length() == self.base + len(self.tokens) and self.tokens:
-            self.cache.crop(-len(self.tokens))
+        """Remove the draft's rows from the cache: a forward that is not their verification came first. The
+        cache's tracked token ids are left alone (the rows were never tracked: :func:`_drop_rows`)."""
+        if self.tokens and self.cache.get_seq_length() == self.base + len(self.tokens):
+            _drop_rows(self.cache, len(self.tokens))
 
-    def verify(self, forward, args: tuple, kwargs: dict):
-        """The decoder's output for a verification forward of ``kwargs``: the draft's rows for the leading
-        tokens it forwarded, the decoder's own for the rest."""
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if (args or input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1
+    def verify(self, forward, kwargs: dict, config):
+        """The decoder's output for a verification forward of ``kwargs``: the draft's rows for the tokens it
+        forwarded and the decoder's own row for the last candidate. A forward of other tokens, or one asking
+        for per-layer outputs, gets the draft's rows removed and runs as it would."""
+        input_ids = kwargs.get("input_ids")
+        ids = input_ids[0].tolist() if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
+        n = len(self.tokens)
+        if (ids is None or input_ids.shape[0] != 1 or ids[:n] != self.tokens or len(ids) > n + 1
                 or kwargs.get("past_key_values") is not self.cache or kwargs.get("inputs_embeds") is not None
-                or self.cache.get_seq_length() != self.base + len(self.tokens)):
+                or self.cache.get_seq_length() != self.base + n or wants_layer_outputs(kwargs, config)):
             self.undo()
-            return forward(*args, **kwargs)
-        ids = input_ids[0].tolist()
-        kept = 0
-        while kept < min(len(ids), len(self.tokens)) and ids[kept] == self.tokens[kept]:
-            kept += 1
-        if kept < len(self.tokens):  # the candidates were cut (stop string, grammar) or differ
-            self.cache.crop(-(len(self.tokens) - kept))
-        rows = self.hidden[:, :kept]
-        if kept == len(ids):
-            return BaseModelOutputWithPast(last_hidden_state=rows, past_key_values=self.cache)
-        rest = dict(kwargs, input_ids=input_ids[:, kept:])
+            return forward(**kwargs)
+        if len(ids) == n:  # the draft stopped at a token a limit refused: every candidate's row is here
+            return BaseModelOutputWithPast(last_hidden_state=self.hidden, past_key_values=self.cache)
+        rest = dict(kwargs, input_ids=input_ids[:, n:])
         for key in _ROW_ARGUMENTS:
             value = rest.get(key)
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[-1] == len(ids):
-                rest[key] = value[..., kept:]
-        with _routed(len(ids) - kept if self.exact_rows else None):
+                rest[key] = value[..., n:]
+        with _routed(1 if self.exact_rows else None):
             out = forward(**rest)
-        out.last_hidden_state = torch.cat([rows.to(out.last_hidden_state.dtype), out.last_hidden_state], dim=1)
+        out.last_hidden_state = torch.cat([self.hidden.to(out.last_hidden_state.dtype), out.last_hidden_state], dim=1)
         return out
+
+
+def wants_layer_outputs(kwargs: dict, config) -> bool:
+    """Whether a forward returns per-layer hidden states or attentions (a head draft's rows carry neither)."""
+    return any(kwargs.get(name) if kwargs.get(name) is not None else getattr(config, name, False)
+               for name in ("output_hidden_states", "output_attentions"))
+
+
+def _drop_rows(cache, count: int) -> None:
+    """Remove the last ``count`` rows of ``cache`` without untracking token ids (a ChunkReuseCache tracks the
+    tokens of its forwards: a head draft's rows are tracked only by the verification that takes them)."""
+    drop = getattr(cache, "drop_rows", None)
+    if drop is not None:
+        drop(count)
+    else:
+        cache.crop(-count)
 
 
 class HeadProposer:
@@ -137,8 +151,9 @@ class HeadProposer:
 
     takes_prompt_from_target = True  # round 0 is the prompt's prefill: nothing to draft from yet
 
-    def __init__(self, model: nn.Module, draft: HeadDraft, eos: list[int], exact_rows: bool) -> None:
+    def __init__(self, model: nn.Module, draft: HeadDraft, eos: list[int], exact_rows: bool, limits=None) -> None:
         self.model, self.draft, self.eos, self.exact_rows = model, draft, set(eos), exact_rows
+        self.limits = limits  # DraftLimits: asked before each drafted token is forwarded
         self.name = draft.draft_name
         self.decoder = model.get_decoder()
         self.model_kwargs: dict | None = None  # generate's, given by the candidate generator each round
@@ -147,15 +162,21 @@ class HeadProposer:
     def propose(self, input_ids: torch.LongTensor, k: int) -> tuple[torch.LongTensor, None]:
         kwargs = self.model_kwargs or {}
         cache = kwargs.get("past_key_values")
-        if cache is None or input_ids.shape[0] != 1 or cache.get_seq_length() != input_ids.shape[1] - 1:
+        if (cache is None or input_ids.shape[0] != 1 or cache.get_seq_length() != input_ids.shape[1] - 1
+                or wants_layer_outputs(kwargs, self.decoder.config)):
             return input_ids, None
-        base, ids, tokens, rows = cache.get_seq_length(), input_ids, [], []
+        base, ids, tokens, rows, drafted = cache.get_seq_length(), input_ids, [], [], []
         with _routed(1 if self.exact_rows else None):
             for _ in range(k):
                 hidden = self._decode_step(ids, kwargs)
                 tokens.append(int(ids[0, -1]))
                 rows.append(hidden)
                 token = self.draft.next_token(hidden)
+                # Asked before the token is forwarded: a candidate cut after drafting would leave rows to crop.
+                if self.limits is not None and self.limits.allowed(input_ids, ids.new_tensor(drafted + [token])) \
+                        <= len(drafted):
+                    break
+                drafted.append(token)
                 ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
                 if token in self.eos:
                     break
@@ -213,10 +234,16 @@ def head_verification(model: nn.Module) -> Iterator[None]:
         if entry is None:
             saved = decoder.__dict__.get("forward")
             original = decoder.forward
+            names = _positional_names(original)
 
             def forward(*args, **kwargs):
                 rows = _local.__dict__.get("drafted", {}).pop(id(decoder), None)
-                return original(*args, **kwargs) if rows is None else rows.verify(original, args, kwargs)
+                if rows is None:
+                    return original(*args, **kwargs)
+                if len(args) > len(names):  # not bindable by name: the rows leave, the forward runs as called
+                    rows.undo()
+                    return original(*args, **kwargs)
+                return rows.verify(original, {**dict(zip(names, args)), **kwargs}, decoder.config)
 
             decoder.forward = forward
             entry = _installed[id(decoder)] = [decoder, saved, 0]
@@ -235,6 +262,12 @@ def head_verification(model: nn.Module) -> Iterator[None]:
                     del decoder.forward
                 else:
                     decoder.forward = entry[1]
+
+
+def _positional_names(forward) -> list[str]:
+    """The names of ``forward``'s positional parameters (some CausalLMs pass ``input_ids`` positionally)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in inspect.signature(forward).parameters.values() if p.kind in kinds]
 
 
 @contextlib.contextmanager

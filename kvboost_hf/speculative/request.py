@@ -193,7 +193,7 @@ def candidate_generator(model: torch.nn.Module, request: SpeculationRequest, gen
         proposer = ModelProposer(generator, request.stats.draft, owns_length=request.settings.adaptive,
                                  scope=request.scope, target=model, target_cache=target_cache)
     elif request.kind == "head":
-        proposer = HeadProposer(model, request.head_draft, _eos_ids(generation_config), request.exact_rows)
+        proposer = HeadProposer(model, request.head_draft, _eos_ids(generation_config), request.exact_rows, limits)
     elif request.kind in LOOKUP_DRAFTS:
         store_index = LazyStoreNgrams(lambda: _store_index(model, request.scope)) if request.kind == "store" else None
         proposer = LookupProposer(LookupSettings(), store_index, _eos_ids(generation_config))

@@ -62,25 +62,85 @@ def test_a_head_of_other_weights_changes_only_how_much_is_accepted(reuse):
     assert stats.drafted_tokens > stats.accepted_tokens  # rejections: the rows were cropped, the reply kept
 
 
-def test_candidates_cut_after_drafting_crop_the_drafted_rows(reuse, monkeypatch):
-    """A stop string cuts the proposal after its rows were forwarded: the verification sees fewer tokens
-    than were drafted and drops the rest from the cache."""
-    from tests.speculative.test_draft_limits import PROMPT, _stop_string, _tokenizer
+class _CutAfterTwo:
+    """A draft constraint (as a grammar mask is one) that lets two draft tokens through per round; masks nothing."""
 
-    model, tokenizer = make_tiny("llama", seed=6), _tokenizer()
-    full = model.generate(PROMPT, max_new_tokens=40, do_sample=False)[0, PROMPT.shape[1]:].tolist()
-    seen = []
-    verify = DraftedRows.verify
-    monkeypatch.setattr(DraftedRows, "verify", lambda self, forward, args, kwargs: seen.append(
-        (kwargs["input_ids"].shape[1], len(self.tokens))) or verify(self, forward, args, kwargs))
+    def __call__(self, input_ids, scores):
+        return scores
+
+    def allowed_prefix(self, input_ids, draft) -> int:
+        return min(len(draft), 2)
+
+
+def _tracked_at_commit(monkeypatch) -> list:
+    import kvboost_hf.generation.wrapper as wrapper
+
+    seen, commit = [], wrapper.commit_request
+    monkeypatch.setattr(wrapper, "commit_request", lambda state, cache: seen.append(
+        (cache.get_seq_length(), cache.token_ids())) or commit(state, cache))
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_limits_stop_the_draft_before_a_refused_token_is_forwarded(family, reuse, monkeypatch):
+    """A constraint refusing drafts (a grammar) is asked before each drafted token is forwarded, so the verified
+    tokens are always the forwarded ones (+ the last): nothing is cropped behind the cache's token tracking. Past
+    the sliding window, with a head of other weights (rejections after the cut), on the store the request fed."""
+    model, other = make_tiny(family, seed=2), make_tiny(family, seed=9)
+    ids = _prompt(3)  # 22 tokens: past the tiny sliding window (16)
+    limits = dict(max_new_tokens=30, do_sample=False, logits_processor=[_CutAfterTwo()])
+    plain = model.generate(ids, **limits)
     reuse(model)
-    for after in (4, 9, 15):
-        stop, _ = _stop_string(tokenizer, full, after)
-        plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
-        out = model.generate(PROMPT, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer,
-                             draft=make_head_draft(model), speculation=ALWAYS)
-        assert out.tolist() == plain.tolist()
-    assert any(given <= drafted for given, drafted in seen)  # a cut round (a full one verifies drafted + 1)
+    seen, shapes = _tracked_at_commit(monkeypatch), []
+    verify = DraftedRows.verify
+    monkeypatch.setattr(DraftedRows, "verify", lambda self, forward, kwargs, config: shapes.append(
+        (kwargs["input_ids"].shape[1], len(self.tokens))) or verify(self, forward, kwargs, config))
+    for head in (make_head_draft(model), make_head_draft(other)):
+        out = model.generate(ids, draft=head, speculation=ALWAYS, **limits)
+        assert torch.equal(out, plain)
+        rows, tracked = seen[-1]
+        assert tracked == out[0, :rows].tolist()  # the store is fed the tokens its K/V belong to
+    assert shapes and all(given - drafted in (0, 1) for given, drafted in shapes)
+    assert any(given == drafted for given, drafted in shapes)  # a round the limit ended: no decoder forward
+    later = torch.cat([out[:, :40], random_ids(3, 8)], dim=1)  # served from what the head-draft requests stored
+    fresh = model.generate(later, max_new_tokens=8, do_sample=False)
+    assert last_request_stats(model).reused_tokens > 20
+    reuse(model)
+    assert torch.equal(fresh, model.generate(later, max_new_tokens=8, do_sample=False))
+
+
+def test_a_decoder_called_positionally_still_takes_the_rows(reuse, monkeypatch):
+    """GPT-J's CausalLM passes input_ids to its decoder positionally: the rows are still used, tracked right."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(2)
+    model = GPTJForCausalLM(GPTJConfig(vocab_size=96, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256,
+                                       bos_token_id=1, eos_token_id=2)).eval()
+    model.generation_config.pad_token_id = 0
+    ids = _prompt(3)
+    plain = model.generate(ids, max_new_tokens=30, do_sample=False)
+    reuse(model)
+    seen, rows = _tracked_at_commit(monkeypatch), []
+    handle = model.get_decoder().h[0].register_forward_pre_hook(lambda _m, args, _kw: rows.append(args[0].shape[1]),
+                                                                with_kwargs=True)
+    try:
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, draft=make_head_draft(model), speculation=ALWAYS)
+    finally:
+        handle.remove()
+    assert torch.equal(out, plain) and set(rows[1:]) == {1}
+    assert seen[-1][1] == out[0, : seen[-1][0]].tolist()
+
+
+def test_requests_for_per_layer_outputs_get_them_from_plain_rounds(reuse):
+    model = make_tiny("llama", seed=2)
+    ids = _prompt(4)
+    kw = dict(max_new_tokens=8, do_sample=False, output_hidden_states=True, return_dict_in_generate=True)
+    plain = model.generate(ids, **kw)
+    reuse(model)
+    out = model.generate(ids, draft=make_head_draft(model), speculation=ALWAYS, **kw)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert [h[-1].shape for h in out.hidden_states] == [h[-1].shape for h in plain.hidden_states]
+    assert last_request_stats(model).speculation.drafted_tokens == 0  # its rows carry no per-layer outputs
 
 
 def test_int4_targets_on_the_kernels_keep_greedy_replies(reuse, tmp_path):
@@ -89,18 +149,21 @@ def test_int4_targets_on_the_kernels_keep_greedy_replies(reuse, tmp_path):
     from kvboost_hf.streaming.pack import pack_model
     from tests.streaming.conftest import TINY_GROUP, TINY_LAYERS, load_awq
 
-    for family, seed in (("llama", 1), ("gemma3", 4)):
-        pack_model(make_tiny(family, seed=seed, num_layers=TINY_LAYERS), tmp_path / family, group_size=TINY_GROUP)
-        model = load_awq(tmp_path / family, residency_mode="full_resident", kernel="auto", dtype=torch.bfloat16)
+    for family, seed, residency in (("llama", 1, "full_resident"), ("gemma3", 4, "full_resident"),
+                                    ("gemma3", 4, "partial_resident")):  # streamed: layers read again per token
+        if not (tmp_path / family).exists():
+            pack_model(make_tiny(family, seed=seed, num_layers=TINY_LAYERS), tmp_path / family, group_size=TINY_GROUP)
+        settings = {"keep_first_k": 1, "keep_last_k": 1} if residency == "partial_resident" else {}
+        model = load_awq(tmp_path / family, residency_mode=residency, kernel="auto", dtype=torch.bfloat16, **settings)
         ids = _prompt(7)
         plain = model.generate(ids, max_new_tokens=40, do_sample=False)
         reuse(model)
         draft = make_head_draft(model)
         for _ in range(2):  # the second from the store
             out = model.generate(ids, max_new_tokens=40, do_sample=False, draft=draft, speculation=ALWAYS)
-            assert torch.equal(out, plain), family
+            assert torch.equal(out, plain), (family, residency)
         stats = last_request_stats(model)
-        assert stats.reused_tokens > 0 and stats.speculation.accepted_tokens > 10, family
+        assert stats.reused_tokens > 0 and stats.speculation.accepted_tokens > 10, (family, residency)
 
 
 def test_threads_sharing_a_model_each_verify_their_own_rows(reuse):
@@ -143,7 +206,7 @@ def test_rows_left_behind_are_undone_and_the_decoder_restored(reuse):
         with torch.no_grad():
             assert torch.equal(model(ids).logits, reference)  # no cache given: not the drafted rows' verification
         assert cache.get_seq_length() == 10
-        # Verifying fewer tokens than were drafted (a grammar cut the proposal): the rest leave the cache.
+        # A forward of fewer tokens than were drafted: the draft's rows leave, the forward runs as it would.
         drafted, _ = proposer.propose(torch.cat([ids, ids[:, :1]], dim=1), 4)
         with torch.no_grad():
             logits = model(drafted[:, 10:13], past_key_values=cache, use_cache=True).logits
