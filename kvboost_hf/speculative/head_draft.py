@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from kvboost_hf.models import attention
 from kvboost_hf.speculative.exact_rows import route_rows
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.vocab import draft_vocabulary, special_token_ids, token_ranking
@@ -166,7 +167,7 @@ class HeadProposer:
                 or wants_layer_outputs(kwargs, self.decoder.config)):
             return input_ids, None
         base, ids, tokens, rows, drafted = cache.get_seq_length(), input_ids, [], [], []
-        with _routed(1 if self.exact_rows else None):
+        with _routed(1 if self.exact_rows else None), _dropped_on_error(cache, tokens):
             for _ in range(k):
                 hidden = self._decode_step(ids, kwargs)
                 tokens.append(int(ids[0, -1]))
@@ -272,12 +273,25 @@ def _positional_names(forward) -> list[str]:
 
 @contextlib.contextmanager
 def _routed(rows: int | None) -> Iterator[None]:
-    """Attention routed for forwards of ``rows`` rows (exact_rows.py) while inside; None: left as it is."""
+    """Attention routed for forwards of ``rows`` rows (exact_rows.py) while inside, then as it was; None: left
+    as it is."""
     if rows is None:
         yield
         return
+    previous = attention.attention_route()
     route_rows(rows)
     try:
         yield
     finally:
-        route_rows(None)
+        attention.set_attention_route(previous)
+
+
+@contextlib.contextmanager
+def _dropped_on_error(cache, tokens: list) -> Iterator[None]:
+    """The rows forwarded so far (one per entry of ``tokens``) leave ``cache`` if drafting raises."""
+    try:
+        yield
+    except BaseException:
+        if tokens:
+            _drop_rows(cache, len(tokens))
+        raise

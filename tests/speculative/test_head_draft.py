@@ -218,6 +218,14 @@ def test_rows_left_behind_are_undone_and_the_decoder_restored(reuse):
             assert torch.allclose(model(nxt, past_key_values=cache).logits, model(nxt, past_key_values=plain).logits,
                                   atol=1e-5)
     assert "forward" not in model.model.__dict__
+    with head_verification(model):  # drafting that raises takes its rows with it
+        calls = []
+        next_token = proposer.draft.next_token
+        proposer.draft.next_token = lambda h: next_token(h) if calls.append(1) or len(calls) < 3 else 1 / 0
+        assert cache.get_seq_length() == 14
+        with pytest.raises(ZeroDivisionError):
+            proposer.propose(drafted[:, :15], 4)
+        assert len(calls) == 3 and cache.get_seq_length() == 14
     reuse(model)
     with pytest.raises(RuntimeError, match="boom"):
         model.generate(ids, max_new_tokens=20, do_sample=False, draft=make_head_draft(model), speculation=ALWAYS,
