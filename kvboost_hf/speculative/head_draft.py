@@ -154,7 +154,7 @@ class HeadProposer:
 
     def __init__(self, model: nn.Module, draft: HeadDraft, eos: list[int], exact_rows: bool, limits=None) -> None:
         self.model, self.draft, self.eos, self.exact_rows = model, draft, set(eos), exact_rows
-        self.limits = limits  # DraftLimits: asked before each drafted token is forwarded
+        self.limits = limits if limits else None  # DraftLimits: asked before each drafted token is forwarded
         self.name = draft.draft_name
         self.decoder = model.get_decoder()
         self.model_kwargs: dict | None = None  # generate's, given by the candidate generator each round
