@@ -15,7 +15,7 @@ import pytest
 
 import torch
 
-from kvboost_hf import ChunkStore, ControllerSettings, last_request_stats, make_draft
+from kvboost_hf import ChunkStore, ControllerSettings, last_request_stats, make_draft, make_head_draft
 from kvboost_hf.speculative import set_default_draft
 from tests.server.conftest import serve
 from tests.server.decoding.test_structured import ADD, PERSON, WEATHER
@@ -63,22 +63,28 @@ def test_json_schema_and_tool_calls_with_a_draft_are_the_plain_replies(server):
         plain_call.choices[0].message.tool_calls[0].function.arguments
 
 
-def test_stop_strings_with_a_draft_end_and_count_as_plain(server):
+@pytest.fixture(scope="module")
+def head(server, gemma):
+    """A head draft of the served Gemma: its own layers, an int8 head over the 32k most frequent tokens."""
+    return make_head_draft(server.model, 32768, tokenizer=gemma[1])
+
+
+def test_stop_strings_with_a_draft_end_and_count_as_plain(server, head):
     prompt = "Count: one, two, three, four, five, six, seven, eight, nine, ten. Again: one, two, three,"
     full = chat(server, prompt, max_tokens=30).choices[0].message.content
     stop = full.strip().split()[3]  # a word the reply reaches after a few tokens
     plain = chat(server, prompt, max_tokens=30, stop=[stop])
     assert plain.choices[0].finish_reason == "stop"
-    for draft in DRAFTS:
+    for draft in (*DRAFTS, head):
         out = chat(server, prompt, draft=draft, max_tokens=30, stop=[stop])
         assert out.choices[0].message.content == plain.choices[0].message.content
         assert out.choices[0].finish_reason == "stop"
         assert out.usage.completion_tokens == plain.usage.completion_tokens, draft
 
 
-def test_a_seed_decides_a_sampled_reply_with_a_draft(server):
+def test_a_seed_decides_a_sampled_reply_with_a_draft(server, head):
     prompt = "Write a short story about a cat and a dog who become friends."
-    for draft in DRAFTS:
+    for draft in (*DRAFTS, head):
         texts = {chat(server, prompt, draft=draft, temperature=0.9, seed=42, max_tokens=24).choices[0].message.content
                  for _ in range(2)}
         assert len(texts) == 1, (draft, texts)
@@ -93,16 +99,17 @@ def int4_server(gemma, gemma_awq):
         yield running
 
 
-def test_an_int4_model_with_its_int4_self_draft_gives_the_plain_structured_reply(int4_server):
-    """The server's combination for `--draft int4` on an int4 checkpoint with a response_format: the self-draft's
-    rounds pass the grammar and the target's row-exact verification and change no token."""
+def test_an_int4_model_with_its_int4_self_draft_gives_the_plain_structured_reply(int4_server, gemma):
+    """The server's combination for `--draft int4` (or `--draft head`) on an int4 checkpoint with a response_format:
+    the draft's rounds pass the grammar and the target's row-exact verification and change no token."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     plain = chat(int4_server, "Describe a person.", response_format=fmt)
     draft = make_draft(int4_server.model, bits=4)
-    for draft_kind in (draft, "prompt-lookup"):
+    head = make_head_draft(int4_server.model, 32768, tokenizer=gemma[1])
+    for draft_kind in (draft, head, "prompt-lookup"):
         out = chat(int4_server, "Describe a person.", draft=draft_kind, response_format=fmt)
         assert out.choices[0].message.content == plain.choices[0].message.content, draft_kind
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
-        if draft_kind is draft:
+        if not isinstance(draft_kind, str):
             assert last_request_stats(int4_server.model).speculation.drafted_tokens > 0
