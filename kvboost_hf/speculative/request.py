@@ -106,12 +106,15 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
 
 
 def _can_speculate(inputs: torch.Tensor | None, kwargs: dict) -> bool:
-    """Whether HF's assisted decoding takes this call: batch 1 token ids, no beam search."""
+    """Whether HF's assisted decoding takes this call: batch 1 token ids, no beam search, a cache (a dynamic one:
+    transformers refuses assisted decoding without a cache or on a static one)."""
     if inputs is None or inputs.dim() != 2 or inputs.shape[0] != 1 or kwargs.get("inputs_embeds") is not None:
         return False
     config = kwargs.get("generation_config")
     beams = kwargs.get("num_beams", getattr(config, "num_beams", 1))
-    return beams in (None, 1)
+    use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
+    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+    return beams in (None, 1) and use_cache is not False and implementation in (None, "dynamic")
 
 
 def validate_draft(model: torch.nn.Module, draft) -> None:

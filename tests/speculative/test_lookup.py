@@ -166,7 +166,7 @@ def test_the_index_budget_is_a_share_of_the_store():
     assert index_token_budget(store) == int(100_000_000 * INDEX_SHARE) // BYTES_PER_INDEXED_TOKEN
 
 
-def test_default_draft_steps_aside_for_batches(reuse):
+def test_default_draft_steps_aside_for_batches_beams_and_calls_without_a_dynamic_cache(reuse):
     from kvboost_hf.speculative import set_default_draft
 
     model = make_tiny("llama")
@@ -178,6 +178,9 @@ def test_default_draft_steps_aside_for_batches(reuse):
                        ref_model.generate(batch, max_new_tokens=3, do_sample=False))
     assert torch.equal(model.generate(batch[:1], max_new_tokens=3, do_sample=False, num_beams=2),
                        ref_model.generate(batch[:1], max_new_tokens=3, do_sample=False, num_beams=2))
+    for no_assist in ({"use_cache": False}, {"cache_implementation": "static"}):  # transformers refuses to assist
+        assert torch.equal(model.generate(batch[:1], max_new_tokens=3, do_sample=False, **no_assist),
+                           ref_model.generate(batch[:1], max_new_tokens=3, do_sample=False, **no_assist))
 
 
 def test_a_continuation_cut_by_the_sequence_end_is_looked_up_again():
