@@ -63,6 +63,10 @@ def test_bad_draft_flags_are_clear_errors(capsys, tmp_path):
     assert "--draft needs reuse" in capsys.readouterr().err
     assert main(["serve", "--draft", "store", "--scheduler", "batch"]) == 2
     assert "--draft runs with --scheduler workers" in capsys.readouterr().err
+    assert main(["serve", "--draft", "head", "--draft-layers", "2"]) == 2
+    assert "--draft-layers shapes a self-draft" in capsys.readouterr().err
+    assert main(["serve", "--draft", "store", "--draft-vocab", "100"]) == 2
+    assert "--draft-vocab shapes a draft's head" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(["--draft", "int4", "--draft-vocab", "100", "--draft-layers", "2"])
