@@ -75,6 +75,10 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
     draft = kwargs.pop("draft", None)
     settings = kwargs.pop("speculation", None)
     assistant = kwargs.get("assistant_model")
+    if isinstance(assistant, HeadDraft):  # not a model transformers can run: taken as draft= is
+        if draft is not None:
+            raise ValueError("pass either draft= or assistant_model=, not both")
+        draft, assistant = kwargs.pop("assistant_model"), None
     if draft is None and assistant is None:
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             return SpeculationRequest("hf", _settings(settings), SpeculationStats(draft="hf-prompt-lookup"))

@@ -261,3 +261,9 @@ def test_the_vocabulary_subset_and_bad_arguments(reuse):
         model.generate(random_ids(8, 1), max_new_tokens=4, draft=wider)
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         model.generate(random_ids(8, 1), max_new_tokens=4, draft=draft, prompt_lookup_num_tokens=3)
+    ids = random_ids(8, 1)
+    plain = model.generate(ids, max_new_tokens=6, do_sample=False, draft="prompt-lookup")
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft), plain)
+    assert last_request_stats(model).speculation.draft == "head-int4-vocab40"
+    with pytest.raises(ValueError, match="either draft= or assistant_model="):
+        model.generate(ids, max_new_tokens=4, draft="store", assistant_model=draft)
