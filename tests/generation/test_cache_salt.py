@@ -85,9 +85,11 @@ def test_a_model_drafts_prefill_reuse_is_salted_too(model):
     draft = make_tiny("llama", seed=1)
     prompt = random_ids(40, 9)
     expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
-    out, stats = run(model, prompt, draft=draft, cache_salt="a")
+    # Draft every round: whether the adaptive controller drafts (and so prefills the draft) depends on measured times.
+    always = {"adaptive": False, "max_tokens": 3}
+    out, stats = run(model, prompt, draft=draft, cache_salt="a", speculation=always)
     assert torch.equal(out, expected)
-    _, other = run(model, prompt, draft=draft, cache_salt="b")
+    _, other = run(model, prompt, draft=draft, cache_salt="b", speculation=always)
     assert other.reused_tokens == 0 and other.speculation.draft_reused_tokens == 0
-    _, same = run(model, prompt, draft=draft, cache_salt="a")
+    _, same = run(model, prompt, draft=draft, cache_salt="a", speculation=always)
     assert same.reused_tokens > 0 and same.speculation.draft_reused_tokens > 0
