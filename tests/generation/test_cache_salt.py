@@ -86,7 +86,7 @@ def test_a_model_drafts_prefill_reuse_is_salted_too(model):
     prompt = random_ids(40, 9)
     expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
     # Draft every round: whether the adaptive controller drafts (and so prefills the draft) depends on measured times.
-    always = {"adaptive": False, "max_tokens": 3}
+    always = {"adaptive": False, "max_tokens": 4}
     out, stats = run(model, prompt, draft=draft, cache_salt="a", speculation=always)
     assert torch.equal(out, expected)
     _, other = run(model, prompt, draft=draft, cache_salt="b", speculation=always)
