@@ -34,6 +34,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from kvboost_hf.models import attention
 from kvboost_hf.speculative.exact_rows import route_rows
 from kvboost_hf.speculative.head import DraftHead
+from kvboost_hf.speculative.instance_forward import forward_installed
 from kvboost_hf.speculative.vocab import draft_vocabulary, special_token_ids, token_ranking
 
 # Inputs a CausalLM forward consumes itself and does not pass on to its decoder.
@@ -212,8 +213,6 @@ class HeadProposer:
 
 
 _local = threading.local()  # .drafted: {id(decoder): DraftedRows} of this thread
-_lock = threading.Lock()
-_installed: dict[int, list] = {}  # id(decoder) -> [decoder, saved instance forward or None, entries]
 
 
 def _set_drafted(decoder: nn.Module, rows: DraftedRows | None) -> None:
@@ -230,39 +229,28 @@ def head_verification(model: nn.Module) -> Iterator[None]:
     on this thread with those rows (:meth:`DraftedRows.verify`); any other forward runs as it would.
     Re-entrant and thread-safe: installed by the first entry, removed by the last exit."""
     decoder = model.get_decoder()
-    with _lock:
-        entry = _installed.get(id(decoder))
-        if entry is None:
-            saved = decoder.__dict__.get("forward")
-            original = decoder.forward
-            names = _positional_names(original)
 
-            def forward(*args, **kwargs):
-                rows = _local.__dict__.get("drafted", {}).pop(id(decoder), None)
-                if rows is None:
-                    return original(*args, **kwargs)
-                if len(args) > len(names):  # not bindable by name: the rows leave, the forward runs as called
-                    rows.undo()
-                    return original(*args, **kwargs)
-                return rows.verify(original, {**dict(zip(names, args)), **kwargs}, decoder.config)
+    def verifying_forward(module: nn.Module, original):
+        names = _positional_names(original)
 
-            decoder.forward = forward
-            entry = _installed[id(decoder)] = [decoder, saved, 0]
-        entry[2] += 1
-    try:
-        yield
-    finally:
-        stale = _local.__dict__.get("drafted", {}).pop(id(decoder), None)
-        if stale is not None:
-            stale.undo()
-        with _lock:
-            entry[2] -= 1
-            if entry[2] == 0:
-                del _installed[id(decoder)]
-                if entry[1] is None:
-                    del decoder.forward
-                else:
-                    decoder.forward = entry[1]
+        def forward(*args, **kwargs):
+            rows = _local.__dict__.get("drafted", {}).pop(id(module), None)
+            if rows is None:
+                return original(*args, **kwargs)
+            if len(args) > len(names):  # not bindable by name: the rows leave, the forward runs as called
+                rows.undo()
+                return original(*args, **kwargs)
+            return rows.verify(original, {**dict(zip(names, args)), **kwargs}, module.config)
+
+        return forward
+
+    with forward_installed(decoder, verifying_forward):
+        try:
+            yield
+        finally:
+            stale = _local.__dict__.get("drafted", {}).pop(id(decoder), None)
+            if stale is not None:
+                stale.undo()
 
 
 def _positional_names(forward) -> list[str]:

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvboost_hf.speculative.instance_forward import forward_installed
+
 logger = logging.getLogger(__name__)
 
 MIN_VOCAB_ROWS = 16384  # smaller heads gain too little to be worth the first-call measurement
@@ -40,8 +42,6 @@ MAX_INPUT_ROWS = 64  # verification forwards carry at most a few dozen rows
 BLOCK_BYTES = 1 << 20  # weight bytes per block: a few hundred rows of a typical head
 MIN_SPEED_UP = 1.2  # the blocked way must beat the plain one by this much to be chosen
 
-_lock = threading.Lock()
-_active: dict[int, list] = {}  # id(head) -> [head, activations]
 _choices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> {(rows, dtype): bool}
 _row_norms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> ((ptr, version), max row norm)
 _measuring = threading.local()  # .seconds: this thread's time spent measuring the second way
@@ -157,16 +157,5 @@ def row_blocked_head(model: nn.Module) -> Iterator[None]:
     if type(head) is not nn.Linear:
         yield
         return
-    with _lock:
-        entry = _active.setdefault(id(head), [head, 0])
-        if entry[1] == 0:
-            head.forward = _forward(head)
-        entry[1] += 1
-    try:
+    with forward_installed(head, lambda module, _before: _forward(module)):
         yield
-    finally:
-        with _lock:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del head.forward  # the instance attribute: nn.Linear.forward again
-                del _active[id(head)]
