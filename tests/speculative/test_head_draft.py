@@ -22,7 +22,7 @@ def _prompt(seed: int) -> torch.Tensor:
     return torch.cat([base, base[:, 2:10]], dim=1)
 
 
-def _layer_rows(model) -> tuple[list[int], list]:
+def _layer_rows(model) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
     """Rows each forward of the first decoder layer computes (a pre-hook: the tiny float models run unfused)."""
     rows: list[int] = []
     handle = model.model.layers[0].register_forward_pre_hook(
