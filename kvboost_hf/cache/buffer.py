@@ -109,6 +109,8 @@ def _fits(buffer: torch.Tensor, new: torch.Tensor) -> bool:
 class BufferedLayer(DynamicLayer):
     """``DynamicLayer`` that appends a forward's new states in place instead of concatenating."""
 
+    kvboost_keys_in_order = True  # update() returns every key in order (kernels.decoder.KEYS_IN_ORDER)
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.buffer = KVBuffer()
@@ -127,6 +129,8 @@ class BufferedLayer(DynamicLayer):
 class BufferedSlidingLayer(DynamicSlidingWindowLayer):
     """``DynamicSlidingWindowLayer`` that appends in place: its update is transformers 5.23's, the buffer's
     append standing in for the concatenation."""
+
+    kvboost_keys_in_order = True  # update() returns the window's keys in order, the new last (KEYS_IN_ORDER)
 
     def __init__(self, sliding_window: int, **kwargs) -> None:
         super().__init__(sliding_window=sliding_window, **kwargs)

@@ -77,6 +77,15 @@ def attention_route():
     return getattr(_local, "route", None)
 
 
+DECODE_EXACT = "kvboost_decode_exact"  # on a route: each row is computed as its own decode step computes it
+
+
+def route_is_decode_exact(route) -> bool:
+    """Whether ``route`` (:func:`attention_route`) is none, or computes every row as a decode step does (a row-exact
+    verification): then a layer whose own attention computes rows alone gives the same bits routed or not."""
+    return route is None or getattr(route, DECODE_EXACT, False)
+
+
 def kvboost_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     """:func:`sdpa_forward`, except inside a routed forward on this thread."""
     route = attention_route()

@@ -84,8 +84,10 @@ def row_exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
 def route_rows(rows: int | None) -> None:
     """Route this thread's ``kvboost_sdpa`` calls to :func:`row_exact_attention` for forwards of ``rows``
     query rows (None: stop routing)."""
-    attention.set_attention_route(None if rows is None else functools.partial(row_exact_attention,
-                                                                               expected_rows=rows))
+    route = None if rows is None else functools.partial(row_exact_attention, expected_rows=rows)
+    if route is not None:
+        setattr(route, attention.DECODE_EXACT, True)
+    attention.set_attention_route(route)
 
 
 @contextlib.contextmanager

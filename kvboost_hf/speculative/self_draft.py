@@ -24,6 +24,7 @@ from torch import nn
 
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
 from kvboost_hf.kernels.attention import cpu_attention
+from kvboost_hf.kernels.decoder import fuse_decoder
 from kvboost_hf.kernels.layer import ARGUMENTS_ATTR, fuse_layers
 from kvboost_hf.kernels.norm import cpu_norm
 from kvboost_hf.models.attention import own_attention
@@ -105,6 +106,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
         own_attention(draft, owned)
     if on_cpu and bits == 4:
         fuse_layers(draft)  # int4 layers on kvboost_hf's kernel: two op calls a layer, the same bits
+        fuse_decoder(draft)
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
                         + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
     draft.eval()

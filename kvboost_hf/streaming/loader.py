@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvboost_hf.kernels import KernelLinear
+from kvboost_hf.kernels.decoder import fuse_decoder
 from kvboost_hf.kernels.layer import fuse_layers
 from kvboost_hf.kernels.attention import KernelAttention
 from kvboost_hf.kernels.norm import KernelRMSNorm
@@ -252,6 +253,7 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         fuse_norms(_text_stack(model), model.dtype, KernelRMSNorm)  # one op call each for HF's 6-8 small ops
         own_attention(model, KernelAttention())  # rows computed alone; bf16 SDPA is slow for a decode row
         fuse_layers(model)  # the same bits in two op calls a layer, where its modules allow
+        fuse_decoder(model)  # and a plain forward's layers in one loop of op calls, without transformers' plumbing
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()

@@ -1,0 +1,222 @@
+"""``fuse_decoder``: a decoder whose layers are all fused runs them as one loop of op calls.
+
+A fused layer (:mod:`.layer`) still goes through transformers' plumbing on every call: the decoder builds
+causal and sliding masks, calls each layer module with a dozen keyword arguments, and the layer dispatches
+attention through ``ALL_ATTENTION_FUNCTIONS`` and kvboost_hf's route. For an int4 model on our kernels
+that is ~1 ms of a decode step's ~7 ms of decoder (Gemma-3-270M, 2 cores, the interpreter's objects
+evicted by the step's weights as in a real step). Where a call is a plain one, a fused decoder skips it:
+per layer, the two layer ops, the cache's ``update`` and the attention kernel, nothing else.
+
+Exact: a plain call is one whose masks say nothing the kernel does not know already. kvboost_hf's attention
+kernel computes each query row alone over the keys it may read, skipping the others, so reading the keys
+up to the row's position (the last ``sliding_window`` of them on a sliding layer) gives the bits that the
+same keys selected by transformers' mask give (``csrc/attention_body.inc``). So the fast loop is taken only
+where every one of these holds, checked on every call, and otherwise the decoder's own forward runs:
+
+- every layer is fused and :func:`~.layer.cached_arguments` reproduces it; no layer has hooks or is training;
+  every attention layer computes on :class:`~.attention.KernelAttention` (the model's implementation is
+  ``kvboost_sdpa``), with no route but a decode-exact one and no scattered queries on this thread;
+- the cache is one whose layers return every key in order (transformers' dynamic layers, or a class that
+  says so with :data:`KEYS_IN_ORDER`), never a static or quantized one;
+- the positions are the cache's next ones, the padding mask (if any) is all ones and 2-D;
+- nothing asks for hidden states, attentions, a tuple, or anything else this loop does not give.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from kvboost_hf.kernels import ops
+from kvboost_hf.kernels.attention import KernelAttention
+from kvboost_hf.kernels.layer import KernelLayerMixin, _hooked, cached_arguments
+from kvboost_hf.models import attention
+
+logger = logging.getLogger(__name__)
+
+KEYS_IN_ORDER = "kvboost_keys_in_order"  # a cache layer class attribute: update() returns every key, in order
+
+
+@dataclass(frozen=True)
+class DecoderForm:
+    """How a decoder class's forward (transformers 5.x) builds its layers' inputs. ``rotary_by_type``: one
+    ``rotary_emb(x, position_ids, layer_type)`` call per layer type (Gemma 3), else one ``rotary_emb(x,
+    position_ids)`` for every layer. ``windows``: which layers get a sliding-window mask (of the config's
+    ``sliding_window``): ``"types"`` those whose ``layer_types`` entry is ``"sliding_attention"``, ``"config"``
+    every layer while ``sliding_window`` is set (Mistral), None none."""
+
+    rotary_by_type: bool
+    windows: str | None
+
+
+DECODER_FORMS = {  # decoder classes whose forward was read line by line, with the layer classes of FORMS
+    "Gemma3TextModel": DecoderForm(True, "types"),
+    "LlamaModel": DecoderForm(False, None),
+    "MistralModel": DecoderForm(False, "config"),
+    "Qwen2Model": DecoderForm(False, "types"),
+    "Qwen3Model": DecoderForm(False, "types"),
+}
+_PLAIN_KWARGS = frozenset({"cache_position", "output_attentions", "output_hidden_states", "return_dict"})
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class KernelDecoderMixin:
+    """The forward of a fused decoder (mixed into the decoder's own class by :func:`fuse_decoder`)."""
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, **kwargs):
+        plan = None
+        if (input_ids is None) != (inputs_embeds is None) and past_key_values is not None and _plain(self, kwargs):
+            plan = _layer_plan(self, past_key_values)
+        if plan is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                   use_cache=use_cache, **kwargs)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        positions = _next_positions(hidden, attention_mask, position_ids, past_key_values)
+        if positions is None or hidden.dtype not in _DTYPES or hidden.dim() != 3 or not hidden.is_cpu or (
+                torch.is_grad_enabled() and hidden.requires_grad):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                   use_cache=use_cache, **kwargs)
+        embeddings = _position_embeddings(self, hidden, positions, plan)
+        if embeddings is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                   use_cache=use_cache, **kwargs)
+        for (arguments, index, head_dim, scaling, window), (cos, sin) in zip(plan.layers, embeddings):
+            q, k, v = torch.ops.kvboost.layer_attention_inputs(*arguments.inputs(hidden, cos, sin, head_dim))
+            k, v = past_key_values.update(k, v, index)
+            out = torch.ops.kvboost.attention(q, k, v, None, scaling, True, window)
+            hidden = torch.ops.kvboost.layer_output(*arguments.output(hidden, out))
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
+
+    def __reduce_ex__(self, protocol):
+        """Copy and pickle as the decoder's own class (:func:`fuse_decoder` fuses the copy again)."""
+        return copyreg._reconstructor, (type(self).__bases__[-1], object, None), self.__getstate__()
+
+
+@dataclass
+class _Plan:
+    layers: list  # (LayerArguments, cache index, head size, scale, window or 0) per layer, in order
+    types: list | None  # the layers' types (Gemma 3's rotary per type), else None
+
+
+def _plain(decoder: nn.Module, kwargs: dict) -> bool:
+    """Whether nothing in this call or this thread's state asks for more than the fast loop computes."""
+    config = decoder.config
+    return (not decoder.training and _PLAIN_KWARGS.issuperset(kwargs)
+            and not kwargs.get("output_attentions") and not kwargs.get("output_hidden_states")
+            and kwargs.get("return_dict", True) is not False
+            and not getattr(config, "output_attentions", False) and not getattr(config, "output_hidden_states", False)
+            and getattr(config, "return_dict", True) is not False and getattr(config, "is_causal", True) is not False
+            and not getattr(config, "use_bidirectional_attention", False)
+            and attention.attention_implementation(config) == attention.ATTENTION_NAME
+            and attention.scattered_queries() is None and attention.route_is_decode_exact(attention.attention_route())
+            and not torch.compiler.is_compiling()
+            and not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
+
+
+def _layer_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
+    """Each layer's op arguments, cache index, head size, scale and window (as the decoder's masks apply it), or
+    None where a layer or the cache is not one the loop reproduces. Attributes are read from the modules' dicts:
+    this runs on every call, after the weights have streamed through the CPU caches (each lookup a cache miss)."""
+    config = decoder.config
+    form = DECODER_FORMS[type(decoder).__name__]
+    layers = decoder.layers[: config.num_hidden_layers]
+    cache_layers = getattr(cache, "layers", None)
+    if cache_layers is None or len(cache_layers) < len(layers) or not all(map(_ordered, cache_layers)):
+        return None
+    types = config.layer_types if form.rotary_by_type or form.windows == "types" else None
+    sliding = getattr(config, "sliding_window", None) if form.windows else None
+    plan = []
+    for i, layer in enumerate(layers):
+        modules = layer._modules
+        attn, mlp = modules.get("self_attn"), modules.get("mlp")
+        if not isinstance(layer, KernelLayerMixin) or attn is None or mlp is None:
+            return None
+        own = attn.__dict__
+        if (_hooked(layer) or layer.training or attn.training or mlp.training
+                or not isinstance(own.get(attention.OWNED_ATTR), KernelAttention)
+                or own.get("attn_logit_softcapping") is not None):
+            return None
+        arguments = cached_arguments(layer)
+        if arguments is None:
+            return None
+        window = sliding if form.windows == "config" or types is not None and types[i] == "sliding_attention" else 0
+        plan.append((arguments, own["layer_idx"], own["head_dim"], float(own["scaling"]), window or 0))
+    return _Plan(plan, list(types[: len(plan)]) if form.rotary_by_type else None)
+
+
+def _ordered(layer) -> bool:
+    cls = type(layer)
+    return cls is DynamicLayer or cls is DynamicSlidingWindowLayer or getattr(cls, KEYS_IN_ORDER, False)
+
+
+def _next_positions(hidden: torch.Tensor, mask, positions, cache: Cache) -> torch.Tensor | None:
+    """The position ids of ``hidden``'s rows: the cache's next ones. None where the call's positions are other
+    ones or its mask hides a key (then transformers' masks say more than the kernel's causal window)."""
+    batch, rows = hidden.shape[:2]
+    past = cache.get_seq_length()
+    expected = torch.arange(past, past + rows, device=hidden.device).unsqueeze(0)
+    if positions is not None and (positions.shape[-1] != rows or positions.dim() > 2
+                                  or not torch.equal(positions.expand(batch, rows), expected.expand(batch, rows))):
+        return None
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2
+                             or mask.shape != (batch, past + rows) or not bool(mask.all())):
+        return None
+    return expected if positions is None else positions
+
+
+def _position_embeddings(decoder: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, plan: _Plan):
+    """Each layer's ``(cos, sin)`` as the decoder computes them, or None where a layer's ops do not take them."""
+    if plan.types is None:
+        shared = decoder.rotary_emb(hidden, positions)
+        embeddings = [shared] * len(plan.layers)
+    else:
+        by_type = {t: decoder.rotary_emb(hidden, positions, t) for t in set(plan.types)}
+        embeddings = [by_type[t] for t in plan.types]
+    for (arguments, _, head_dim, _, _), (cos, sin) in zip(plan.layers, embeddings):
+        if (cos.dtype != hidden.dtype or sin.dtype != hidden.dtype or cos.shape[-1] != head_dim
+                or arguments.has_bias and arguments.bias_dtypes != {hidden.dtype}):
+            return None
+    return embeddings
+
+
+@functools.cache
+def _fused_class(cls: type) -> type:
+    return type(cls.__name__, (KernelDecoderMixin, cls), {"__module__": cls.__module__,
+                                                         "__qualname__": cls.__qualname__})
+
+
+def fuse_decoder(model: nn.Module) -> int:
+    """Give the decoders in ``model`` that :data:`DECODER_FORMS` knows the fast loop (taken where every layer is
+    fused and the call is plain, checked on every call); returns how many."""
+    if not ops.loaded():
+        return 0
+    fused = 0
+    for module in model.modules():
+        if type(module).__name__ in DECODER_FORMS:
+            if not isinstance(module, KernelDecoderMixin):
+                module.__class__ = _fused_class(type(module))
+            fused += 1
+    return fused
+
+
+def unfuse_decoder(model: nn.Module) -> int:
+    """Undo :func:`fuse_decoder`; returns how many decoders changed."""
+    restored = 0
+    for module in model.modules():
+        if isinstance(module, KernelDecoderMixin):
+            module.__class__ = type(module).__bases__[-1]
+            restored += 1
+    return restored

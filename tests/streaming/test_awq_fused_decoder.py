@@ -1,0 +1,218 @@
+"""Fused decoders (``kernels.decoder``): a plain forward of an int4 model on our kernels runs its layers as one
+loop of op calls, with the bits of transformers' decoder forward (masks, layer modules, attention dispatch);
+any call that is not plain runs that forward."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from kvboost_hf import kernels
+from kvboost_hf.cache import BufferedCache, KIVICache
+from kvboost_hf.kernels import decoder as fused_decoder
+from kvboost_hf.kernels.decoder import KernelDecoderMixin, fuse_decoder, unfuse_decoder
+from kvboost_hf.models import attention
+from kvboost_hf.speculative.exact_rows import route_rows
+from kvboost_hf.streaming.pack import pack_model
+from tests.conftest import make_tiny
+from tests.streaming.conftest import TINY_GROUP, TINY_LAYERS, load_awq
+from tests.streaming.test_awq_fused_layers import chunked_logits
+
+
+@pytest.fixture
+def kernels_built():
+    status = kernels.available()
+    assert status.built, status.reason
+    return status
+
+
+@pytest.fixture
+def fast_loops(monkeypatch):
+    """How many forwards took the fused decoder's loop."""
+    counter = {"n": 0}
+    original = fused_decoder._position_embeddings
+
+    def counted(*args):
+        out = original(*args)
+        counter["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused_decoder, "_position_embeddings", counted)
+    return counter
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral_awq(tmp_path_factory):
+    path = tmp_path_factory.mktemp("awq-mistral")
+    pack_model(make_tiny("mistral", seed=3, num_layers=TINY_LAYERS), path, group_size=TINY_GROUP)
+    return path
+
+
+def fused_and_plain(model, run, fast_loops) -> tuple:
+    """``run()`` with the decoder fused, then with transformers' forward; and how many forwards took the loop."""
+    fast_loops["n"] = 0
+    with torch.no_grad():
+        fused = run()
+        taken = fast_loops["n"]
+        assert unfuse_decoder(model) == 1
+        try:
+            plain = run()
+        finally:
+            fuse_decoder(model)
+    return fused, plain, taken
+
+
+def awq_model(family, tiny_awq, tiny_mistral_awq, dtype=torch.bfloat16):
+    path = tiny_mistral_awq if family == "mistral" else tiny_awq[family][1]
+    return load_awq(path, residency_mode="full_resident", kernel="kvboost", dtype=dtype)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_plain_forward_takes_the_loop_with_the_decoders_bits(family, dtype, tiny_awq, tiny_mistral_awq,
+                                                               kernels_built, fast_loops):
+    model = awq_model(family, tiny_awq, tiny_mistral_awq, dtype)
+    assert isinstance(model.model, KernelDecoderMixin)  # the loader fused it
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))  # past the 16-token window
+    for mask in (None, torch.ones_like(ids)):
+        fused, plain, taken = fused_and_plain(model, lambda: chunked_logits(model, ids, mask), fast_loops)
+        assert taken == 5 and torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("cache_class", [DynamicCache, BufferedCache])
+def test_a_batch_and_a_cache_holding_more_than_the_window(cache_class, tiny_awq, kernels_built, fast_loops):
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (3, 40), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        cache = cache_class(config=model.config)
+        out = [model(input_ids=ids[:, :31], past_key_values=cache).logits]
+        for start in range(31, 40, 3):  # 3-row chunks: a sliding layer returns its window and the new rows
+            out.append(model(input_ids=ids[:, start:start + 3], past_key_values=cache).logits)
+        return torch.cat(out, dim=1)
+
+    fused, plain, taken = fused_and_plain(model, run, fast_loops)
+    assert taken == 4 and torch.equal(fused, plain)
+
+
+def test_inputs_embeds_and_a_decode_exact_route_take_the_loop(tiny_awq, kernels_built, fast_loops):
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 28), generator=torch.Generator().manual_seed(7))
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        first = model(inputs_embeds=model.model.embed_tokens(ids[:, :19]), past_key_values=cache).logits
+        route_rows(9)  # as a verification routes it
+        try:
+            rows = model(input_ids=ids[:, 19:], past_key_values=cache).logits
+        finally:
+            route_rows(None)
+        return torch.cat([first, rows], dim=1)
+
+    fused, plain, taken = fused_and_plain(model, run, fast_loops)
+    assert taken == 2 and torch.equal(fused, plain)
+
+
+def _hooked_layer(model):
+    seen = []
+    return seen, model.model.layers[2].register_forward_hook(lambda m, a, out: seen.append(1))
+
+
+NOT_PLAIN = {  # name -> (setup(model) -> undo or None, forward kwargs(model, ids, cache))
+    "left padding": (None, lambda m, ids, c: {"attention_mask": torch.tensor([[0, 0] + [1] * (ids.shape[1] - 2),
+                                                                              [1] * ids.shape[1]])}),
+    "shifted positions": (None, lambda m, ids, c: {"position_ids": torch.arange(3, 3 + ids.shape[1])[None]}),
+    "hidden states": (None, lambda m, ids, c: {"output_hidden_states": True}),
+    "a 4-D mask": (None, lambda m, ids, c: {"attention_mask": torch.ones(2, 1, ids.shape[1], ids.shape[1],
+                                                                         dtype=torch.bool).tril()}),
+    "a static cache": (None, lambda m, ids, c: {"past_key_values": StaticCache(config=m.config, max_cache_len=64)}),
+    "a quantized cache": (None, lambda m, ids, c: {"past_key_values": KIVICache(m.config, bits=4, residual_length=4)}),
+    "a layer hook": (lambda m: _hooked_layer(m)[1].remove, lambda m, ids, c: {}),
+    "a layer in training mode": (lambda m: (m.model.layers[1].train(), m.model.layers[1].eval)[1],
+                                 lambda m, ids, c: {}),
+    "a packed route": (lambda m: (attention.set_attention_route(attention.sdpa_forward),
+                                  lambda: attention.set_attention_route(None))[1], lambda m, ids, c: {}),
+    "scattered queries": (lambda m: (attention.set_scattered_queries(attention.ScatteredQueries(
+        torch.arange(100, 120), 500)), lambda: attention.set_scattered_queries(None))[1], lambda m, ids, c: {}),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_PLAIN))
+def test_a_forward_that_is_not_plain_runs_the_decoders_forward(case, tiny_awq, kernels_built, fast_loops):
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(8))
+    setup, arguments = NOT_PLAIN[case]
+
+    def run():
+        undo = setup(model) if setup else None
+        try:
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=ids, **{"past_key_values": cache, **arguments(model, ids, cache)})
+        finally:
+            if undo:
+                undo()
+        logits = out[0] if isinstance(out, tuple) else out.logits
+        states = () if isinstance(out, tuple) or out.hidden_states is None else out.hidden_states
+        return torch.cat([logits.flatten(), *(h.flatten() for h in states)])
+
+    fused, plain, taken = fused_and_plain(model, run, fast_loops)
+    assert taken == 0 and torch.equal(fused, plain)
+
+
+def test_a_decoder_asked_for_a_tuple_gives_one(tiny_awq, kernels_built, fast_loops):
+    model = awq_model("qwen2", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 12))
+
+    def run():
+        out = model.model(input_ids=ids, past_key_values=DynamicCache(config=model.config), return_dict=False)
+        assert isinstance(out, tuple)
+        return out[0]
+
+    fused, plain, taken = fused_and_plain(model, run, fast_loops)
+    assert taken == 0 and torch.equal(fused, plain)
+    with torch.no_grad():  # through the CausalLM (which asks its decoder for a dict): the loop
+        out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), return_dict=False)
+    assert isinstance(out, tuple) and fast_loops["n"] == 1
+
+
+def test_a_hook_on_a_layer_still_runs(tiny_awq, kernels_built, fast_loops):
+    model = awq_model("llama", tiny_awq, None)
+    seen, handle = _hooked_layer(model)
+    torch.set_grad_enabled(False)
+    model(input_ids=torch.randint(3, 96, (1, 12)), past_key_values=DynamicCache(config=model.config))
+    handle.remove()
+    assert seen == [1] and fast_loops["n"] == 0
+    model(input_ids=torch.randint(3, 96, (1, 12)), past_key_values=DynamicCache(config=model.config))
+    torch.set_grad_enabled(True)
+    assert fast_loops["n"] == 1  # gone: the loop again
+
+
+def test_generate_and_speculation_take_the_loop_with_the_same_tokens(tiny_awq, kernels_built, fast_loops):
+    from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse, make_head_draft
+
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(9))
+    enable_chunk_reuse(model, ChunkStore())
+    try:
+        draft = make_head_draft(model)
+
+        def run():
+            out = [model.generate(ids, max_new_tokens=20, do_sample=False, draft=kind) for kind in (None, draft)]
+            return torch.cat([o.flatten() for o in out])
+
+        fused, plain, taken = fused_and_plain(model, run, fast_loops)
+    finally:
+        disable_chunk_reuse(model)
+    assert torch.equal(fused, plain) and torch.equal(fused[:42], fused[42:])
+    assert taken >= 40  # every forward of both requests: prefill, steps, drafted rows, verifications
+
+
+def test_a_copy_is_the_decoders_own_class(tiny_awq, kernels_built):
+    model = awq_model("gemma3", tiny_awq, None)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(copied.model) is type(model.model).__bases__[-1]
+        assert fuse_decoder(copied) == 1 and isinstance(copied.model, KernelDecoderMixin)
