@@ -13,7 +13,8 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   [N, K] layout that an int4 model's tied head runs on) against torch bf16/fp32;
 - the whole model packed by ``awq-pack`` (round-to-nearest, group 128, resident): decode step after a
   200-token prompt, a 9-row forward there (verification), a 256-token prefill, for kernel="kvboost"
-  (also "layers unfused": the decoder layers' own forward instead of the fused layer ops; "GEMMs only":
+  (also "decoder unfused": transformers' decoder forward around the fused layers instead of the fused
+  decoder's loop; "layers unfused": the decoder layers' own forward instead of the fused layer ops; "GEMMs only":
   that and its projections unfused, HF's RMSNorm modules and bf16 attention; the same model object
   switched per sample) and kernel="torch", against the bf16 float model; and a token of the int4
   FR-Spec self-draft (``make_draft(bits=4, vocab=32768)``) of the kvboost model after the same
@@ -165,7 +166,8 @@ def whole_model(reps: int) -> dict:
     # the same ops and shapes, for timing only; "GEMMs only" logits are not compared).
     hf_norms = dict(models["bf16 float"].named_modules())
     switch = functools.partial(switch_extras, norms=hf_norms)
-    settings = {"kvboost": (models["kvboost"], True), "kvboost layers unfused": (models["kvboost"], "unfused"),
+    settings = {"kvboost": (models["kvboost"], True), "kvboost decoder unfused": (models["kvboost"], "decoder"),
+                "kvboost layers unfused": (models["kvboost"], "unfused"),
                 "kvboost float32 SDPA": (models["kvboost"], FLOAT32_SDPA),
                 "kvboost GEMMs only": (models["kvboost"], False),
                 "torch": (models["torch"], True), "bf16 float": (models["bf16 float"], True)}
@@ -187,10 +189,11 @@ def whole_model(reps: int) -> dict:
 
 
 def switch_extras(model, on, norms: dict) -> None:
-    """A kvboost-kernel model's fused layers, fused projections, fused RMSNorms and attention kernel on (``on``
-    True; ``"unfused"``: all but the fused layers; or an ``OwnedAttention`` to compute attention with instead of
-    the kernel), or off (its GEMMs only: separate projection calls, HF's RMSNorm modules from ``norms``, bf16
-    SDPA), in place."""
+    """A kvboost-kernel model's fused decoder, fused layers, fused projections, fused RMSNorms and attention kernel
+    on (``on`` True; ``"decoder"``: all but the fused decoder; ``"unfused"``: all but the fused decoder and layers;
+    or an ``OwnedAttention`` to compute attention with instead of the kernel), or off (its GEMMs only: separate
+    projection calls, HF's RMSNorm modules from ``norms``, bf16 SDPA), in place."""
+    from kvboost_hf.kernels.decoder import fuse_decoder, unfuse_decoder
     from kvboost_hf.kernels.layer import fuse_layers, unfuse_layers
     from kvboost_hf.models.attention import OWNED_ATTR
     from kvboost_hf.models.fused_norm import FusedRMSNorm
@@ -208,7 +211,7 @@ def switch_extras(model, on, norms: dict) -> None:
             module.group = saved["groups"][module] if on else None
         if module is not model and (module in saved["attention"] or getattr(module, OWNED_ATTR, None) is not None):
             loaded_with = saved["attention"].setdefault(module, getattr(module, OWNED_ATTR))
-            setattr(module, OWNED_ATTR, loaded_with if on in (True, "unfused") else (on or None))
+            setattr(module, OWNED_ATTR, loaded_with if on in (True, "unfused", "decoder") else (on or None))
     if "fused_layers" not in saved:  # only a model loaded with fused layers switches them
         saved["fused_layers"] = unfuse_layers(model) > 0
     if saved["fused_layers"]:
@@ -216,6 +219,13 @@ def switch_extras(model, on, norms: dict) -> None:
             unfuse_layers(model)
         else:
             fuse_layers(model)
+    if "fused_decoder" not in saved:
+        saved["fused_decoder"] = unfuse_decoder(model) > 0
+    if saved["fused_decoder"]:
+        if on is True or not isinstance(on, (bool, str)):  # all on, or another attention (its fast loop falls back)
+            fuse_decoder(model)
+        else:
+            unfuse_decoder(model)
 
 
 def worker(reps: int) -> dict:
