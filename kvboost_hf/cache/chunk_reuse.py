@@ -112,6 +112,7 @@ class ReuseSlidingLayer(BufferedSlidingLayer):
     def __init__(self, sliding_window: int, **kwargs) -> None:
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.history: list[Segment] = []
+        self.history_length = 0  # tokens in history (a crop trims it from the end, not by walking it)
         self.pending: list[Segment] = []
         self.capture = True
 
@@ -131,7 +132,7 @@ class ReuseSlidingLayer(BufferedSlidingLayer):
             self.lazy_initialization(keys, values)
         self.keys, self.values = keys[..., -keep:, :], values[..., -keep:, :]
         self.cumulative_length = total
-        self.history = list(segments)
+        self.history, self.history_length = list(segments), total
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Queue stored K/V of the next tokens (see :class:`ReuseLayer`); only the window stays live."""
@@ -139,6 +140,7 @@ class ReuseSlidingLayer(BufferedSlidingLayer):
             self.lazy_initialization(keys, values)
         if self.capture:
             self.history.append((keys, values))
+            self.history_length += keys.shape[-2]
         self.pending.append((keys, values))
         self.cumulative_length += keys.shape[-2]
 
@@ -153,6 +155,7 @@ class ReuseSlidingLayer(BufferedSlidingLayer):
         self.flush()
         if self.capture:
             self.history.append((key_states, value_states))
+            self.history_length += key_states.shape[-2]
         return super().update(key_states, value_states, *args, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -163,27 +166,32 @@ class ReuseSlidingLayer(BufferedSlidingLayer):
         self.flush()
         super().crop(tokens_to_remove)
         if self.capture:
-            self.history = _trim(self.history, self.cumulative_length)
+            self.history_length = _trim(self.history, self.history_length, self.cumulative_length)
 
     def reset(self) -> None:
         super().reset()
         self.history, self.pending = [], []
+        self.history_length = 0
         self.capture = True
 
     def full_states(self) -> Segment:
         return _cat(self.history)
 
 
-def _trim(segments: list[Segment], length: int) -> list[Segment]:
-    """The first ``length`` tokens of ``segments``."""
-    out, have = [], 0
-    for k, v in segments:
-        if have >= length:
-            break
-        n = min(k.shape[-2], length - have)
-        out.append((k[..., :n, :], v[..., :n, :]) if n < k.shape[-2] else (k, v))
-        have += n
-    return out
+def _trim(segments: list[Segment], have: int, length: int) -> int:
+    """Keep the first ``length`` of the ``have`` tokens of ``segments``, cutting from the end in place (a decode step
+    appends one segment: walking from the start made every crop cost the whole reply); returns how many are left."""
+    while segments and have > length:
+        k, v = segments[-1]
+        n = k.shape[-2]
+        if have - n >= length:
+            segments.pop()
+            have -= n
+        else:
+            keep = n - (have - length)
+            segments[-1] = (k[..., :keep, :], v[..., :keep, :])
+            have = length
+    return have
 
 
 @dataclass

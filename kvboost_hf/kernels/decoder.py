@@ -24,9 +24,12 @@ where every one of these holds, checked on every call, and otherwise the decoder
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import functools
 import logging
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +79,7 @@ class KernelDecoderMixin:
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, **kwargs):
         plan = None
         if (input_ids is None) != (inputs_embeds is None) and past_key_values is not None and _plain(self, kwargs):
-            plan = _layer_plan(self, past_key_values)
+            plan = _held_or_new_plan(self, past_key_values)
         if plan is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds,
@@ -126,6 +129,43 @@ def _plain(decoder: nn.Module, kwargs: dict) -> bool:
             and not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
 
 
+_local = threading.local()  # .held: {id(decoder): _Plan or None} inside plan_held() on this thread
+
+
+@contextlib.contextmanager
+def plan_held(decoder: nn.Module) -> Iterator[None]:
+    """While inside, on this thread, ``decoder``'s fast loop checks its layers at its first plain call and reuses
+    what it read for the later ones (~0.6 ms a call on Gemma-3-270M int4). For a caller that forwards the decoder
+    several times in a row with only its own code in between, which changes no module: a draft's tokens. Every
+    call still checks that it is plain and that the cache keeps its keys in order. Re-entrant."""
+    held = _local.__dict__.setdefault("held", {})
+    if id(decoder) in held:
+        yield
+        return
+    held[id(decoder)] = None
+    try:
+        yield
+    finally:
+        held.pop(id(decoder), None)
+
+
+def _held_or_new_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
+    held = _local.__dict__.get("held")
+    if not held or id(decoder) not in held:
+        return _layer_plan(decoder, cache)
+    plan = held[id(decoder)]
+    if plan is None:
+        plan = held[id(decoder)] = _layer_plan(decoder, cache)
+    elif not _keeps_keys_in_order(cache, len(plan.layers)):
+        return None
+    return plan
+
+
+def _keeps_keys_in_order(cache: Cache, layers: int) -> bool:
+    cache_layers = getattr(cache, "layers", None)
+    return cache_layers is not None and len(cache_layers) >= layers and all(map(_ordered, cache_layers))
+
+
 def _layer_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
     """Each layer's op arguments, cache index, head size, scale and window (as the decoder's masks apply it), or
     None where a layer or the cache is not one the loop reproduces. Attributes are read from the modules' dicts:
@@ -133,8 +173,7 @@ def _layer_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
     config = decoder.config
     form = DECODER_FORMS[type(decoder).__name__]
     layers = decoder.layers[: config.num_hidden_layers]
-    cache_layers = getattr(cache, "layers", None)
-    if cache_layers is None or len(cache_layers) < len(layers) or not all(map(_ordered, cache_layers)):
+    if not _keeps_keys_in_order(cache, len(layers)):
         return None
     types = config.layer_types if form.rotary_by_type or form.windows == "types" else None
     sliding = getattr(config, "sliding_window", None) if form.windows else None

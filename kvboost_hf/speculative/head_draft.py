@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from kvboost_hf.kernels.decoder import plan_held
 from kvboost_hf.models import attention
 from kvboost_hf.speculative.exact_rows import route_rows
 from kvboost_hf.speculative.head import DraftHead
@@ -168,7 +169,8 @@ class HeadProposer:
                 or wants_layer_outputs(kwargs, self.decoder.config)):
             return input_ids, None
         base, ids, tokens, rows, drafted = cache.get_seq_length(), input_ids, [], [], []
-        with _routed(1 if self.exact_rows else None), _dropped_on_error(cache, tokens):
+        # plan_held: the decoder's layers are checked once a round, not once a drafted token
+        with _routed(1 if self.exact_rows else None), _dropped_on_error(cache, tokens), plan_held(self.decoder):
             for _ in range(k):
                 hidden = self._decode_step(ids, kwargs)
                 tokens.append(int(ids[0, -1]))

@@ -15,6 +15,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.kernels.decoder import plan_held
 from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.reuse import commit_request, reuse_state
@@ -74,7 +75,8 @@ class ModelProposer:
     def propose(self, input_ids: torch.LongTensor, k: int):
         self._take_prompt(input_ids)
         self.inner.num_assistant_tokens = k
-        return self.inner.get_candidates(input_ids)
+        with plan_held(self.inner.assistant_model.get_decoder()):  # its layers checked once a round
+            return self.inner.get_candidates(input_ids)
 
     def update(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         self.inner.update_candidate_strategy(input_ids, scores, num_matches)

@@ -216,3 +216,56 @@ def test_a_copy_is_the_decoders_own_class(tiny_awq, kernels_built):
     for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert type(copied.model) is type(model.model).__bases__[-1]
         assert fuse_decoder(copied) == 1 and isinstance(copied.model, KernelDecoderMixin)
+
+
+def test_a_held_plan_checks_the_layers_once_and_each_call_still_is_checked(tiny_awq, kernels_built, fast_loops,
+                                                                            monkeypatch):
+    from kvboost_hf.kernels.decoder import plan_held
+
+    model = awq_model("gemma3", tiny_awq, None)
+    reads = {"n": 0}
+    original = fused_decoder.cached_arguments
+
+    def counted(layer):
+        reads["n"] += 1
+        return original(layer)
+
+    monkeypatch.setattr(fused_decoder, "cached_arguments", counted)
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(11))
+    layers = model.config.num_hidden_layers
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        out = [model(input_ids=ids[:, :18], past_key_values=cache).logits]
+        with plan_held(model.model), plan_held(model.model):  # re-entrant
+            for t in range(18, 24):
+                out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits)
+        return torch.cat(out, dim=1)
+
+    fused, plain, taken = fused_and_plain(model, run, fast_loops)
+    assert taken == 7 and torch.equal(fused, plain)
+    assert reads["n"] == 2 * layers  # the prefill's check, and one for the six held calls
+
+    with torch.no_grad(), plan_held(model.model):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :18], past_key_values=cache)
+        fast_loops["n"] = 0
+        padded = torch.ones(1, 19, dtype=torch.long)
+        padded[0, 0] = 0
+        model(input_ids=ids[:, 18:19], past_key_values=cache, attention_mask=padded)  # not plain: checked anyway
+        assert fast_loops["n"] == 0
+        static = StaticCache(config=model.config, max_cache_len=32)  # a cache the loop does not take
+        model(input_ids=ids[:, :18], past_key_values=static)
+        assert fast_loops["n"] == 0
+    reads["n"] = 0
+    with torch.no_grad():
+        model(input_ids=ids[:, :4], past_key_values=DynamicCache(config=model.config))
+    assert reads["n"] == layers  # outside: checked again
+
+
+def test_a_streamed_model_runs_the_decoders_forward(tiny_awq, kernels_built, fast_loops):
+    model = load_awq(tiny_awq["gemma3"][1], residency_mode="partial_resident", keep_first_k=1, keep_last_k=1,
+                     n_staging_slots=1, kernel="kvboost", dtype=torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(12))
+    fused, plain, taken = fused_and_plain(model, lambda: chunked_logits(model, ids), fast_loops)
+    assert taken == 0 and torch.equal(fused, plain)  # its streamed layers' staging hooks must run
