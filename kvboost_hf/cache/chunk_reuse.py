@@ -65,6 +65,8 @@ class ReuseLayer(BufferedLayer):
     forward's new states are appended in place (:class:`~kvboost_hf.cache.buffer.BufferedLayer`).
     """
 
+    kvboost_keys_in_order = True  # update() returns every key in order (kernels.decoder.KEYS_IN_ORDER)
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.pending: list[Segment] = []
@@ -108,6 +110,8 @@ class ReuseLayer(BufferedLayer):
 
 class ReuseSlidingLayer(BufferedSlidingLayer):
     """Sliding-window layer that also keeps the K/V its window drops, for storing them later."""
+
+    kvboost_keys_in_order = True  # update() returns the window's keys in order, the new last (KEYS_IN_ORDER)
 
     def __init__(self, sliding_window: int, **kwargs) -> None:
         super().__init__(sliding_window=sliding_window, **kwargs)

@@ -40,7 +40,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kvboost_hf.kernels import ops
 from kvboost_hf.kernels.attention import KernelAttention
-from kvboost_hf.kernels.layer import KernelLayerMixin, _hooked, cached_arguments
+from kvboost_hf.kernels.layer import CAPTURE_HOOKS, KernelLayerMixin, _hooked, _instance_forward, cached_arguments
 from kvboost_hf.models import attention
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,10 @@ _local = threading.local()  # .held: {id(decoder): _Plan or None} inside plan_he
 def plan_held(decoder: nn.Module) -> Iterator[None]:
     """While inside, on this thread, ``decoder``'s fast loop checks its layers at its first plain call and reuses
     what it read for the later ones (~0.6 ms a call on Gemma-3-270M int4). For a caller that forwards the decoder
-    several times in a row with only its own code in between, which changes no module: a draft's tokens. Every
-    call still checks that it is plain and that the cache keeps its keys in order. Re-entrant."""
+    several times in a row with only its own code in between, which changes no module: a draft's round. Every
+    call still checks that it is plain and that the cache keeps its keys in order; a module or config changed
+    inside the block (by another thread sharing the model, or a callback) is seen from the block's end, as a
+    change during any forward is seen from the next one. Re-entrant."""
     held = _local.__dict__.setdefault("held", {})
     if id(decoder) in held:
         yield
@@ -162,8 +164,11 @@ def _held_or_new_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
 
 
 def _keeps_keys_in_order(cache: Cache, layers: int) -> bool:
+    """Whether every layer of ``cache`` returns its keys in order, the last ones the new rows, and the cache sizes its
+    masks as transformers' dynamic caches do (a cache with masks of its own, as MTP caches, says more)."""
     cache_layers = getattr(cache, "layers", None)
-    return cache_layers is not None and len(cache_layers) >= layers and all(map(_ordered, cache_layers))
+    return (cache_layers is not None and len(cache_layers) >= layers and all(map(_ordered, cache_layers))
+            and type(cache).get_mask_sizes is Cache.get_mask_sizes)
 
 
 def _layer_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
@@ -184,21 +189,31 @@ def _layer_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
         if not isinstance(layer, KernelLayerMixin) or attn is None or mlp is None:
             return None
         own = attn.__dict__
-        if (_hooked(layer) or layer.training or attn.training or mlp.training
+        if (_hooked(layer) and not _capture_hooks_only(layer) or layer.training or attn.training or mlp.training
                 or not isinstance(own.get(attention.OWNED_ATTR), KernelAttention)
-                or own.get("attn_logit_softcapping") is not None):
+                or own.get("attn_logit_softcapping") is not None
+                or (own["is_causal"] if "is_causal" in own else getattr(type(attn), "is_causal", True)) is not True):
             return None
         arguments = cached_arguments(layer)
         if arguments is None:
             return None
-        window = sliding if form.windows == "config" or types is not None and types[i] == "sliding_attention" else 0
+        window = sliding if form.windows == "config" or types is not None and types[i] == "sliding_attention" else None
+        if window is not None and window < 2:  # transformers' window of one keeps every key ([-0:]): not a window
+            return None
         plan.append((arguments, own["layer_idx"], own["head_dim"], float(own["scaling"]), window or 0))
     return _Plan(plan, list(types[: len(plan)]) if form.rotary_by_type else None)
 
 
 def _ordered(layer) -> bool:
-    cls = type(layer)
-    return cls is DynamicLayer or cls is DynamicSlidingWindowLayer or getattr(cls, KEYS_IN_ORDER, False)
+    cls = type(layer)  # the class's own attribute: a subclass overriding update() says so again, or is not taken
+    return cls is DynamicLayer or cls is DynamicSlidingWindowLayer or cls.__dict__.get(KEYS_IN_ORDER, False)
+
+
+def _capture_hooks_only(layer: nn.Module) -> bool:
+    """Whether ``layer``'s only hooks are transformers' output capture, which stays installed once a call asked for
+    hidden states and records nothing in a call that asks for none (a plain one)."""
+    return not layer._forward_pre_hooks and not _instance_forward(layer) and all(
+        getattr(hook, "__module__", None) == CAPTURE_HOOKS for hook in layer._forward_hooks.values())
 
 
 def _next_positions(hidden: torch.Tensor, mask, positions, cache: Cache) -> torch.Tensor | None:

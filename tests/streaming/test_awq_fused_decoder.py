@@ -269,3 +269,74 @@ def test_a_streamed_model_runs_the_decoders_forward(tiny_awq, kernels_built, fas
     ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(12))
     fused, plain, taken = fused_and_plain(model, lambda: chunked_logits(model, ids), fast_loops)
     assert taken == 0 and torch.equal(fused, plain)  # its streamed layers' staging hooks must run
+
+
+def _not_causal(model):
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False  # as bidirectional patches (LLM2Vec) set it: a prefill reads every key
+    return lambda: [setattr(layer.self_attn, "is_causal", True) for layer in model.model.layers]
+
+
+def _window_of_one(model):
+    previous = model.config.sliding_window
+    sliding = [layer.self_attn for layer in model.model.layers if layer.self_attn.sliding_window is not None]
+    model.config.sliding_window = 1  # transformers keeps every key then ([-0:]) and masks none
+    for attn in sliding:
+        attn.sliding_window = 1
+
+    def undo():
+        model.config.sliding_window = previous
+        for attn in sliding:
+            attn.sliding_window = previous
+    return undo
+
+
+class _UnorderedBuffered(BufferedCache):
+    """A subclass of an ordered layer's cache whose layers override update: it must say its order again."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.layers = [type("Subclassed", (type(layer),), {"update": type(layer).update})(
+            **({"sliding_window": layer.sliding_window} if hasattr(layer, "sliding_window") else {}))
+            for layer in self.layers]
+
+
+class _OwnMaskSizes(DynamicCache):
+    def get_mask_sizes(self, query_length, layer_idx):
+        return super().get_mask_sizes(query_length, layer_idx)
+
+
+@pytest.mark.parametrize("case", ["attention not causal", "a window of one", "a subclassed cache layer",
+                                  "a cache sizing its own masks"])
+def test_what_transformers_computes_otherwise_is_not_taken(case, tiny_awq, kernels_built, fast_loops):
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(13))
+    undo = {"attention not causal": _not_causal, "a window of one": _window_of_one}.get(case, lambda m: None)(model)
+    cache_class = {"a subclassed cache layer": _UnorderedBuffered, "a cache sizing its own masks": _OwnMaskSizes}.get(
+        case, DynamicCache)
+
+    def run():
+        cache = cache_class(config=model.config)
+        out = [model(input_ids=ids[:, :20], past_key_values=cache).logits]
+        for t in range(20, 24):
+            out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits)
+        return torch.cat(out, dim=1)
+
+    try:
+        fused, plain, taken = fused_and_plain(model, run, fast_loops)
+    finally:
+        if undo:
+            undo()
+    assert taken == 0 and torch.equal(fused, plain)
+
+
+def test_output_capture_left_on_the_layers_does_not_stop_the_loop(tiny_awq, kernels_built, fast_loops):
+    model = awq_model("llama", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        states = model(input_ids=ids, past_key_values=DynamicCache(config=model.config),
+                       output_hidden_states=True).hidden_states
+    assert len(states) == model.config.num_hidden_layers + 1 and model.model.layers[0]._forward_hooks
+    fused, plain, taken = fused_and_plain(
+        model, lambda: model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).logits, fast_loops)
+    assert taken == 1 and torch.equal(fused, plain)
