@@ -40,7 +40,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kvboost_hf.kernels import ops
 from kvboost_hf.kernels.attention import KernelAttention
-from kvboost_hf.kernels.layer import CAPTURE_HOOKS, KernelLayerMixin, _hooked, _instance_forward, cached_arguments
+from kvboost_hf.kernels.layer import KernelLayerMixin, _hooked, cached_arguments, capture_hooks_only
 from kvboost_hf.models import attention
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def _layer_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
         if not isinstance(layer, KernelLayerMixin) or attn is None or mlp is None:
             return None
         own = attn.__dict__
-        if (_hooked(layer) and not _capture_hooks_only(layer) or layer.training or attn.training or mlp.training
+        if (_hooked(layer) and not capture_hooks_only(layer) or layer.training or attn.training or mlp.training
                 or not isinstance(own.get(attention.OWNED_ATTR), KernelAttention)
                 or own.get("attn_logit_softcapping") is not None
                 or (own["is_causal"] if "is_causal" in own else getattr(type(attn), "is_causal", True)) is not True):
@@ -208,12 +208,6 @@ def _ordered(layer) -> bool:
     cls = type(layer)  # the class's own attribute: a subclass overriding update() says so again, or is not taken
     return cls is DynamicLayer or cls is DynamicSlidingWindowLayer or cls.__dict__.get(KEYS_IN_ORDER, False)
 
-
-def _capture_hooks_only(layer: nn.Module) -> bool:
-    """Whether ``layer``'s only hooks are transformers' output capture, which stays installed once a call asked for
-    hidden states and records nothing in a call that asks for none (a plain one)."""
-    return not layer._forward_pre_hooks and not _instance_forward(layer) and all(
-        getattr(hook, "__module__", None) == CAPTURE_HOOKS for hook in layer._forward_hooks.values())
 
 
 def _next_positions(hidden: torch.Tensor, mask, positions, cache: Cache) -> torch.Tensor | None:

@@ -312,10 +312,15 @@ CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers' out
 
 
 def _capture_only(module: nn.Module, attn: nn.Module) -> bool:
-    """Whether ``module`` is the attention module and its only hooks are transformers' output capture, which
-    stays installed once any call asked for hidden states or attentions and acts only while one does: the
-    fused forward passes it the attention weights itself (none from a non-eager attention function)."""
-    return module is attn and not module._forward_pre_hooks and not _instance_forward(module) and all(
+    """Whether ``module`` is the attention module and its only hooks are transformers' output capture: the fused
+    forward passes it the attention weights itself (none from a non-eager attention function)."""
+    return module is attn and capture_hooks_only(module)
+
+
+def capture_hooks_only(module: nn.Module) -> bool:
+    """Whether ``module``'s only hooks are transformers' output capture, which stays installed once any call asked
+    for hidden states or attentions and records only while one does."""
+    return not module._forward_pre_hooks and not _instance_forward(module) and all(
         getattr(hook, "__module__", None) == CAPTURE_HOOKS for hook in module._forward_hooks.values())
 
 
