@@ -209,7 +209,6 @@ def _ordered(layer) -> bool:
     return cls is DynamicLayer or cls is DynamicSlidingWindowLayer or cls.__dict__.get(KEYS_IN_ORDER, False)
 
 
-
 def _next_positions(hidden: torch.Tensor, mask, positions, cache: Cache) -> torch.Tensor | None:
     """The position ids of ``hidden``'s rows: the cache's next ones. None where the call's positions are other
     ones or its mask hides a key (then transformers' masks say more than the kernel's causal window)."""
