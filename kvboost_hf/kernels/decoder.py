@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
-import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -38,9 +37,15 @@ from torch.nn.modules import module as torch_module
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from kvboost_hf.kernels import ops
 from kvboost_hf.kernels.attention import KernelAttention
-from kvboost_hf.kernels.layer import KernelLayerMixin, _hooked, cached_arguments, capture_hooks_only
+from kvboost_hf.kernels.layer import (
+    KernelLayerMixin,
+    _hooked,
+    cached_arguments,
+    capture_hooks_only,
+    mix_in,
+    mix_out,
+)
 from kvboost_hf.models import attention
 
 logger = logging.getLogger(__name__)
@@ -239,31 +244,12 @@ def _position_embeddings(decoder: nn.Module, hidden: torch.Tensor, positions: to
     return embeddings
 
 
-@functools.cache
-def _fused_class(cls: type) -> type:
-    return type(cls.__name__, (KernelDecoderMixin, cls), {"__module__": cls.__module__,
-                                                         "__qualname__": cls.__qualname__})
-
-
 def fuse_decoder(model: nn.Module) -> int:
     """Give the decoders in ``model`` that :data:`DECODER_FORMS` knows the fast loop (taken where every layer is
     fused and the call is plain, checked on every call); returns how many."""
-    if not ops.loaded():
-        return 0
-    fused = 0
-    for module in model.modules():
-        if type(module).__name__ in DECODER_FORMS:
-            if not isinstance(module, KernelDecoderMixin):
-                module.__class__ = _fused_class(type(module))
-            fused += 1
-    return fused
+    return mix_in(model, DECODER_FORMS, KernelDecoderMixin)
 
 
 def unfuse_decoder(model: nn.Module) -> int:
     """Undo :func:`fuse_decoder`; returns how many decoders changed."""
-    restored = 0
-    for module in model.modules():
-        if isinstance(module, KernelDecoderMixin):
-            module.__class__ = type(module).__bases__[-1]
-            restored += 1
-    return restored
+    return mix_out(model, KernelDecoderMixin)

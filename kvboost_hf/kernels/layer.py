@@ -328,23 +328,43 @@ ARGUMENTS_ATTR = "_kvboost_layer_arguments"  # where a fused layer keeps its _Ca
 
 
 @functools.cache
-def _fused_class(cls: type) -> type:
-    # The same name: transformers matches layers by class name (_no_split_modules, device maps).
-    return type(cls.__name__, (KernelLayerMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+def mixed_class(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin``'s methods first, under ``cls``'s name: transformers matches modules by class name
+    (``_no_split_modules``, device maps)."""
+    return type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def mix_in(model: nn.Module, names, mixin: type) -> int:
+    """Give every module of ``model`` whose class name is in ``names`` the class :func:`mixed_class` makes (where the
+    kernels are loaded); returns how many modules have it now."""
+    if not ops.loaded():
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in names:
+            if not isinstance(module, mixin):
+                module.__class__ = mixed_class(mixin, type(module))
+            count += 1
+    return count
+
+
+def mix_out(model: nn.Module, mixin: type, forget: tuple = ()) -> int:
+    """Undo :func:`mix_in` (each module its own class again, without the attributes ``forget``); returns how many."""
+    restored = 0
+    for module in model.modules():
+        if isinstance(module, mixin):
+            module.__class__ = type(module).__bases__[-1]
+            for name in forget:
+                module.__dict__.pop(name, None)
+            restored += 1
+    return restored
 
 
 def fuse_layers(model: nn.Module) -> int:
     """Make the decoder layers of ``model`` that :data:`FORMS` knows compute through the two layer ops where
     :func:`layer_arguments` finds them reproducible (checked on every call); returns how many. For models
     whose numerics kvboost_hf owns (int4 on its kernels): nothing changes but speed."""
-    if not ops.loaded():
-        return 0
-    fused = 0
-    for module in model.modules():
-        if type(module).__name__ in FORMS:
-            if not isinstance(module, KernelLayerMixin):
-                module.__class__ = _fused_class(type(module))
-            fused += 1
+    fused = mix_in(model, FORMS, KernelLayerMixin)
     if fused:
         logger.info("%s: %d decoder layers on the fused layer ops", type(model).__name__, fused)
     return fused
@@ -352,10 +372,4 @@ def fuse_layers(model: nn.Module) -> int:
 
 def unfuse_layers(model: nn.Module) -> int:
     """Undo :func:`fuse_layers` (the layers' own forward again); returns how many layers changed."""
-    restored = 0
-    for module in model.modules():
-        if isinstance(module, KernelLayerMixin):
-            module.__class__ = type(module).__bases__[-1]
-            module.__dict__.pop(ARGUMENTS_ATTR, None)
-            restored += 1
-    return restored
+    return mix_out(model, KernelLayerMixin, (ARGUMENTS_ATTR,))
