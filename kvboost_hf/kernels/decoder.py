@@ -82,31 +82,40 @@ class KernelDecoderMixin:
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, **kwargs):
-        plan = None
-        if (input_ids is None) != (inputs_embeds is None) and past_key_values is not None and _plain(self, kwargs):
-            plan = _held_or_new_plan(self, past_key_values)
-        if plan is None:
+        hidden = self._fast_loop(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs)
+        if hidden is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                                    use_cache=use_cache, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
+
+    def _fast_loop(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs: dict):
+        """The last layer's output for a plain call, or None (before any module ran) where the call is not plain."""
+        if (input_ids is None) == (inputs_embeds is None) or cache is None or not _plain(self, kwargs):
+            return None
+        plan = _held_or_new_plan(self, cache)
+        rows = input_ids if inputs_embeds is None else inputs_embeds
+        dtype = self.embed_tokens.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
+        positions = None if plan is None else _next_positions(rows, attention_mask, position_ids, cache)
+        grad = self.embed_tokens.weight.requires_grad if inputs_embeds is None else inputs_embeds.requires_grad
+        if (positions is None or rows.dim() != (2 if inputs_embeds is None else 3) or not rows.is_cpu
+                or dtype not in _DTYPES or torch.is_grad_enabled() and grad
+                or any(a.has_bias and a.bias_dtypes != {dtype} for a, *_ in plan.layers)):
+            return None
+        # Checked before any module runs; what follows falls back only for an embedding or rotary module of another
+        # kind than the decoder's (another output dtype or size), whose calls transformers' forward then repeats.
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        positions = _next_positions(hidden, attention_mask, position_ids, past_key_values)
-        if positions is None or hidden.dtype not in _DTYPES or hidden.dim() != 3 or not hidden.is_cpu or (
-                torch.is_grad_enabled() and hidden.requires_grad):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                                   use_cache=use_cache, **kwargs)
+        if hidden.dtype != dtype or hidden.dim() != 3:
+            return None
         embeddings = _position_embeddings(self, hidden, positions, plan)
         if embeddings is None:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                                   use_cache=use_cache, **kwargs)
+            return None
         for (arguments, index, head_dim, scaling, window), (cos, sin) in zip(plan.layers, embeddings):
             q, k, v = torch.ops.kvboost.layer_attention_inputs(*arguments.inputs(hidden, cos, sin, head_dim))
-            k, v = past_key_values.update(k, v, index)
+            k, v = cache.update(k, v, index)
             out = torch.ops.kvboost.attention(q, k, v, None, scaling, True, window)
             hidden = torch.ops.kvboost.layer_output(*arguments.output(hidden, out))
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
+        return hidden
 
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the decoder's own class (:func:`fuse_decoder` fuses the copy again)."""
@@ -214,17 +223,18 @@ def _ordered(layer) -> bool:
     return cls is DynamicLayer or cls is DynamicSlidingWindowLayer or cls.__dict__.get(KEYS_IN_ORDER, False)
 
 
-def _next_positions(hidden: torch.Tensor, mask, positions, cache: Cache) -> torch.Tensor | None:
-    """The position ids of ``hidden``'s rows: the cache's next ones. None where the call's positions are other
-    ones or its mask hides a key (then transformers' masks say more than the kernel's causal window)."""
-    batch, rows = hidden.shape[:2]
+def _next_positions(rows: torch.Tensor, mask, positions, cache: Cache) -> torch.Tensor | None:
+    """The position ids of the call's rows (``rows``: its input ids or embeddings): the cache's next ones. None
+    where the call's positions are other ones or its mask hides a key (then transformers' masks say more than the
+    kernel's causal window)."""
+    batch, count = rows.shape[:2]
     past = cache.get_seq_length()
-    expected = torch.arange(past, past + rows, device=hidden.device).unsqueeze(0)
-    if positions is not None and (positions.shape[-1] != rows or positions.dim() > 2
-                                  or not torch.equal(positions.expand(batch, rows), expected.expand(batch, rows))):
+    expected = torch.arange(past, past + count, device=rows.device).unsqueeze(0)
+    if positions is not None and (positions.shape[-1] != count or positions.dim() > 2
+                                  or not torch.equal(positions.expand(batch, count), expected.expand(batch, count))):
         return None
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2
-                             or mask.shape != (batch, past + rows) or not bool(mask.all())):
+                             or mask.shape != (batch, past + count) or not bool(mask.all())):
         return None
     return expected if positions is None else positions
 
@@ -237,9 +247,8 @@ def _position_embeddings(decoder: nn.Module, hidden: torch.Tensor, positions: to
     else:
         by_type = {t: decoder.rotary_emb(hidden, positions, t) for t in set(plan.types)}
         embeddings = [by_type[t] for t in plan.types]
-    for (arguments, _, head_dim, _, _), (cos, sin) in zip(plan.layers, embeddings):
-        if (cos.dtype != hidden.dtype or sin.dtype != hidden.dtype or cos.shape[-1] != head_dim
-                or arguments.has_bias and arguments.bias_dtypes != {hidden.dtype}):
+    for (_, _, head_dim, _, _), (cos, sin) in zip(plan.layers, embeddings):
+        if cos.dtype != hidden.dtype or sin.dtype != hidden.dtype or cos.shape[-1] != head_dim:
             return None
     return embeddings
 

@@ -340,3 +340,19 @@ def test_output_capture_left_on_the_layers_does_not_stop_the_loop(tiny_awq, kern
     fused, plain, taken = fused_and_plain(
         model, lambda: model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).logits, fast_loops)
     assert taken == 1 and torch.equal(fused, plain)
+
+
+def test_the_embedding_runs_once_whether_the_call_is_plain_or_not(tiny_awq, kernels_built, fast_loops):
+    model = awq_model("gemma3", tiny_awq, None)
+    calls = []
+    handle = model.model.embed_tokens.register_forward_hook(lambda m, a, out: calls.append(out.shape))
+    ids = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(15))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+            assert len(calls) == 1 and fast_loops["n"] == 1
+            shifted = torch.arange(2, 12)[None]  # not plain: found before the embedding runs
+            model(input_ids=ids, past_key_values=DynamicCache(config=model.config), position_ids=shifted)
+            assert len(calls) == 2 and fast_loops["n"] == 1
+    finally:
+        handle.remove()
