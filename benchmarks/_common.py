@@ -7,6 +7,7 @@ import json
 import math
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +27,19 @@ def essays() -> list[str]:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def memory_bandwidth_gbs(reps: int = 5) -> float:
+    """This host's memory read speed now (a sum over 512 MB, the median of ``reps``): it drifts on shared hosts, and
+    a decode step that reads its whole head is bound by it, so runs are compared with it in view."""
+    big = torch.ones(128 * 1024 * 1024)
+    big.sum()
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        big.sum()
+        seconds.append(time.perf_counter() - start)
+    return big.numel() * 4 / median(seconds) / 1e9
 
 
 def environment() -> dict:

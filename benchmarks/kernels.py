@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DOCS_BENCH, environment, median, write_json  # noqa: E402
+from _common import DOCS_BENCH, environment, median, memory_bandwidth_gbs, write_json  # noqa: E402
 
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
@@ -51,11 +51,6 @@ TORCH_CAPABILITY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2",
 # Pseudo-paths: a path with one of its host features turned off (as on a CPU without it).
 VARIANTS = {"avx512_bf16_novbmi": ("avx512_bf16", {"KVBOOST_HF_KERNEL_VBMI": "0"})}
 ONEDNN_ISA = {"avx512": "AVX512_CORE", "avx2": "AVX2", "scalar": "SSE41"}  # a host of the path's class
-
-
-def bandwidth_gbs(reps: int) -> float:
-    big = torch.ones(128 * 1024 * 1024)
-    return big.numel() * 4 / interleave({"sum": big.sum}, reps)["sum"] / 1e6
 
 
 def layer_rows(reps: int) -> dict:
@@ -238,7 +233,7 @@ def worker(reps: int) -> dict:
             "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "host"),
             "torch_bf16_on_onednn": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-            "bandwidth_gbs": bandwidth_gbs(reps), "layers": layer_rows(reps), "model": whole_model(reps)}
+            "bandwidth_gbs": memory_bandwidth_gbs(reps), "layers": layer_rows(reps), "model": whole_model(reps)}
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS_BENCH, environment, essays, median  # noqa: E402
+from _common import DOCS_BENCH, environment, essays, median, memory_bandwidth_gbs  # noqa: E402
 
 from kvboost_hf import (  # noqa: E402
     ChunkStore,
@@ -131,6 +131,7 @@ def bench_workload(model, requests, variants: dict, args, eos, store_bytes: int,
     """Runs x requests x variants (rotated); ``chat``: requests are built turn by turn from plain's replies."""
     per_run = []
     mismatches = []
+    bandwidth = [memory_bandwidth_gbs()]  # before and after: plain decoding reads the head every token
     for run in range(args.runs):
         stores = {name: ChunkStore(max_bytes=store_bytes, chunk_size=64) for name in variants}
         results = {name: [] for name in variants}
@@ -163,7 +164,8 @@ def bench_workload(model, requests, variants: dict, args, eos, store_bytes: int,
                 reply = tokenizer.decode(outcome["plain"]["tokens"], skip_special_tokens=True).strip()
                 histories[item[0]].append({"role": "assistant", "content": reply})
         per_run.append(results)
-    return summarize(per_run, list(variants), mismatches)
+    bandwidth.append(memory_bandwidth_gbs())
+    return {**summarize(per_run, list(variants), mismatches), "bandwidth_gbs": bandwidth}
 
 
 def summarize(per_run: list[dict], names: list[str], mismatches: list) -> dict:
@@ -245,7 +247,8 @@ def merged(earlier: dict, partial: dict) -> dict:
                 variants[name] = {**v, "rerun": True, "plain_decode_tok_s": plain_now}
         rerun = set(res["variants"]) - {"plain"}  # their earlier mismatches are replaced by this run's
         mismatches = [m for m in old["mismatches"] if m["variant"] not in rerun] + res["mismatches"]
-        out["workloads"][workload] = {"identical": not mismatches, "mismatches": mismatches, "variants": variants}
+        out["workloads"][workload] = {"identical": not mismatches, "mismatches": mismatches, "variants": variants,
+                                      "bandwidth_gbs": res.get("bandwidth_gbs")}
     return out
 
 
@@ -253,6 +256,8 @@ def print_table(result: dict) -> None:
     print(f"\n{'workload':24} {'variant':26} {'tok/s':>7} {'speed-up':>8} {'TTFT x':>7} {'accept':>7} "
           f"{'tok/round':>9} {'spec share':>10} {'mean k':>6} {'off':>4} identical")
     for workload, res in result["workloads"].items():
+        if res.get("bandwidth_gbs"):
+            print(f"{workload}: memory read speed {' -> '.join(f'{b:.1f}' for b in res['bandwidth_gbs'])} GB/s")
         for name, v in res["variants"].items():
             f = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)  # noqa: E731
             print(f"{workload:24} {name:26} {v['decode_tok_s']:7.2f} {v['speedup']:8.2f} {v['ttft_ratio']:7.2f} "
