@@ -25,7 +25,6 @@ where every one of these holds, checked on every call, and otherwise the decoder
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import logging
 import threading
 from collections.abc import Iterator
@@ -41,6 +40,7 @@ from kvboost_hf.kernels.attention import KernelAttention
 from kvboost_hf.kernels.layer import (
     KernelLayerMixin,
     _hooked,
+    as_own_class,
     cached_arguments,
     capture_hooks_only,
     mix_in,
@@ -94,9 +94,11 @@ class KernelDecoderMixin:
         if (input_ids is None) == (inputs_embeds is None) or cache is None or not _plain(self, kwargs):
             return None
         plan = _held_or_new_plan(self, cache)
+        if plan is None:
+            return None
         rows = input_ids if inputs_embeds is None else inputs_embeds
         dtype = self.embed_tokens.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
-        positions = None if plan is None else _next_positions(rows, attention_mask, position_ids, cache)
+        positions = _next_positions(rows, attention_mask, position_ids, cache)
         grad = self.embed_tokens.weight.requires_grad if inputs_embeds is None else inputs_embeds.requires_grad
         if (positions is None or rows.dim() != (2 if inputs_embeds is None else 3) or not rows.is_cpu
                 or dtype not in _DTYPES or torch.is_grad_enabled() and grad
@@ -119,7 +121,7 @@ class KernelDecoderMixin:
 
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the decoder's own class (:func:`fuse_decoder` fuses the copy again)."""
-        return copyreg._reconstructor, (type(self).__bases__[-1], object, None), self.__getstate__()
+        return as_own_class(self)
 
 
 @dataclass

@@ -235,8 +235,7 @@ class KernelLayerMixin:
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the layer's own class (as a reuse-enabled model does): loading needs only
         transformers; :func:`fuse_layers` fuses the copy again."""
-        state = {k: v for k, v in self.__getstate__().items() if k != ARGUMENTS_ATTR}  # read again by the copy
-        return copyreg._reconstructor, (type(self).__bases__[-1], object, None), state
+        return as_own_class(self, (ARGUMENTS_ATTR,))  # the arguments are read again by the copy
 
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -346,6 +345,13 @@ def mix_in(model: nn.Module, names, mixin: type) -> int:
                 module.__class__ = mixed_class(mixin, type(module))
             count += 1
     return count
+
+
+def as_own_class(module: nn.Module, forget: tuple = ()) -> tuple:
+    """``__reduce_ex__``'s answer for a module :func:`mix_in` gave a mixed class: the module as its own class, without
+    the attributes ``forget``, so a copy or an unpickled module runs transformers' forward until fused again."""
+    state = {k: v for k, v in module.__getstate__().items() if k not in forget}
+    return copyreg._reconstructor, (type(module).__bases__[-1], object, None), state
 
 
 def mix_out(model: nn.Module, mixin: type, forget: tuple = ()) -> int:
