@@ -14,6 +14,7 @@ constexpr int64_t kNkPairRows = 6;  // 2 weight rows: 18 accumulators + 2 weight
 constexpr int kSmallBlocks = 4;
 
 struct V16 {
+  static constexpr bool kBiasedCodes = false;  // int4 decoded as (q - zero) * scale only (gemm_body.inc)
   __m512 v;
   static inline V16 zero() { return {_mm512_setzero_ps()}; }
   static inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }

@@ -13,6 +13,7 @@ constexpr int64_t kNkPairRows = 0;  // one weight row per pass
 constexpr int kSmallBlocks = 1;
 
 struct V16 {
+  static constexpr bool kBiasedCodes = false;  // int4 decoded as (q - zero) * scale only (gemm_body.inc)
   float v[16];
   static inline V16 zero() {
     V16 r;

@@ -98,6 +98,40 @@ def test_a_row_does_not_depend_on_the_rows_computed_with_it(kind, isa_paths):
         assert torch.equal(linear(x[37:300])[:33], alone[37:70]), isa
 
 
+def test_any_zero_gives_the_scalar_paths_bits_at_every_row_count(isa_paths):
+    # The AVX2 path decodes a group whose zeros are all integers of magnitude <= 2^22 without a conversion
+    # ((2^23 + q) - (2^23 + z)); every other group (a fractional zero, -0.0, one past the limit, inf, NaN)
+    # takes the conversion. Mixed groups in one block, blocks of each kind side by side, every row tile.
+    gen = torch.Generator().manual_seed(9)
+    n, k, group = 80, 320, 32
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.randint(-3, 19, (k // group, n), generator=gen).float()
+    zeros[1, 3::16] += 0.5  # the low 8 columns of each block only
+    zeros[8, 12::16] -= 0.25  # the high 8 only
+    zeros[9, 5::7] += 0.75
+    zeros[2, :] = -0.0
+    zeros[3, 5] = 2.0**22
+    zeros[3, 6] = -(2.0**22)
+    zeros[4, 40:] = 2.0**25 - 2  # an integer whose 2^23 + z is not a float: biased, it would round
+    zeros[5, 17] = float("inf")
+    zeros[6, 33] = float("nan")
+    zeros[7, :16] = 1e-30
+    scales = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
+    blocks = pack_int4(codes, zeros, scales, group)
+    x = torch.randn(13, k, generator=gen)
+    want = {m: None for m in range(1, 14)}
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        for m in want:
+            got = kernels.int4_linear(x[:m], blocks)
+            if want[m] is None:
+                want[m] = got  # the scalar path comes first
+            assert torch.equal(got.view(torch.int32), want[m].view(torch.int32)), (isa, m)  # NaNs too
+            # and a row alone is the row in a batch
+            assert torch.equal(got[:1].view(torch.int32), want[1].view(torch.int32)), (isa, m)
+    assert want[13].isnan().any() and want[13].isfinite().any()
+
+
 def test_thread_count_never_changes_a_bit(built):
     linear = rows_kernel("int4", k=640, n=2048)
     x = torch.randn(20, 640, generator=torch.Generator().manual_seed(4))
