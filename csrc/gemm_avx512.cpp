@@ -15,6 +15,7 @@ constexpr int kSmallBlocks = 4;
 
 struct V16 {
   static constexpr bool kBiasedCodes = false;  // int4 decoded as (q - zero) * scale only (gemm_body.inc)
+  static constexpr bool kSidesFromMemory = false;  // a group's scales and zeros stay in registers
   __m512 v;
   static inline V16 zero() { return {_mm512_setzero_ps()}; }
   static inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }

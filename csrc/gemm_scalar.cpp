@@ -14,6 +14,7 @@ constexpr int kSmallBlocks = 1;
 
 struct V16 {
   static constexpr bool kBiasedCodes = false;  // int4 decoded as (q - zero) * scale only (gemm_body.inc)
+  static constexpr bool kSidesFromMemory = false;  // a group's scales and zeros stay in registers
   float v[16];
   static inline V16 zero() {
     V16 r;
