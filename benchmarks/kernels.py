@@ -21,7 +21,7 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   prompt, on a cache that appends in place (``BufferedCache``, as a draft's ``ChunkReuseCache`` in
   speculation). Greedy continuations are compared.
 
-    python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2]
+    python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2] [--name kernels]
 
 ``--paths avx512_bf16_novbmi`` runs the avx512_bf16 path with int4 decoded as on a CPU with AVX-512 BF16
 but no VBMI (Cooper Lake; ``KVBOOST_HF_KERNEL_VBMI=0``): the same bits, that host's decoding.
@@ -240,6 +240,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--paths", default="avx512_bf16,avx512,avx2")
+    parser.add_argument("--name", default="kernels",
+                        help="file stem of the results under docs/benchmarks/ (another host class's run beside the "
+                             "main one, e.g. kernels-avx2-zen3)")
     parser.add_argument("--native-onednn", action="store_true",
                         help="float baselines on this host's best oneDNN ISA on every path")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -258,8 +261,8 @@ def main() -> None:
                               capture_output=True, text=True)
         results[path] = json.loads(done.stdout.strip().splitlines()[-1])
         report(path, results[path])
-    write_json("kernels.json", {"environment": environment(), "options": vars(args), "paths": results})
-    plot(results, DOCS_BENCH / "kernels.png")
+    write_json(f"{args.name}.json", {"environment": environment(), "options": vars(args), "paths": results})
+    plot(results, DOCS_BENCH / f"{args.name}.png")
 
 
 def report(path: str, r: dict) -> None:

@@ -33,7 +33,7 @@ loading and everything generate does before the first token. Reported per varian
 plain, TTFT ratio, acceptance, tokens per target forward, and the adaptive controller's choices.
 
 Usage: ``python benchmarks/speculative.py [--runs 5] [--new-tokens 64] [--awq-throttle-mbps 0,1000] [--quick]``.
-Writes docs/benchmarks/speculative.json and .png (``--quick``: a smoke run written under /tmp).
+Writes docs/benchmarks/speculative.json and .png (``--name``: another stem; ``--quick``: a smoke run written under /tmp).
 """
 
 from __future__ import annotations
@@ -307,6 +307,9 @@ def main() -> None:
                         help="comma-separated variant name prefixes to run (plain always runs); their rows replace "
                              "those of docs/benchmarks/speculative.json, the other rows are kept (a partial re-run)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 run, short replies, written under /tmp")
+    parser.add_argument("--name", default="speculative",
+                        help="file stem of the results (a run on another host class beside the main one, e.g. "
+                             "speculative-avx2-zen3; --variants merges into that file's rows)")
     args = parser.parse_args()
     if args.quick:
         args.runs, args.new_tokens, args.doc_tokens, args.documents = 1, 10, 120, 1
@@ -387,13 +390,14 @@ def main() -> None:
 
     out_dir = Path(tempfile.mkdtemp(prefix="speculative-quick-")) if args.quick else DOCS_BENCH
     out_dir.mkdir(parents=True, exist_ok=True)
-    if wanted is not None and (out_dir / "speculative.json").exists():
-        result = merged(json.loads((out_dir / "speculative.json").read_text()), result)
+    json_path, png_path = out_dir / f"{args.name}.json", out_dir / f"{args.name}.png"
+    if wanted is not None and json_path.exists():
+        result = merged(json.loads(json_path.read_text()), result)
     print_table(result)
 
-    (out_dir / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out_dir / "speculative.png")
-    print(f"\nwrote {out_dir / 'speculative.json'} and speculative.png")
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, png_path)
+    print(f"\nwrote {json_path} and {png_path.name}")
 
 
 if __name__ == "__main__":
