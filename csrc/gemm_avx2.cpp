@@ -21,40 +21,50 @@ struct V16 {
   // Rows k and k + 1 of a block, each byte widened once to a 32-bit lane: its low nibble is row k's code, bits
   // 4..7 row k + 1's (one load-and-widen per 8 columns instead of two shuffles and a widen per row).
   static inline void int4x2(const uint8_t* p, const V16& z, const V16& s, V16& w0, V16& w1) {
-    const __m256i a = widened(p), b = widened(p + 8), mask = _mm256_set1_epi32(0x0F);
-    w0 = {code(_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), z.lo, s.lo),
-          code(_mm256_cvtepi32_ps(_mm256_and_si256(b, mask)), z.hi, s.hi)};
-    w1 = {code(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), z.lo, s.lo),
-          code(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), z.hi, s.hi)};
+    pair<false>(p, z, s, w0, w1);
   }
   // The same bits with `zb` = 2^23 + zero (biased_zeros): a code q becomes the float 2^23 + q by setting its
   // exponent bits, so (2^23 + q) - zb is q - zero exactly, without a conversion (M = 1: 1.2x on Zen 3).
   static constexpr bool kBiasedCodes = true;
+  static inline void int4x2_biased(const uint8_t* p, const V16& zb, const V16& s, V16& w0, V16& w1) {
+    pair<true>(p, zb, s, w0, w1);
+  }
   // With 16 registers, a group's scales and zeros held in registers for two blocks made GCC spill the accumulators
   // (a store and a load in every fma chain); read from memory each step instead (M = 1: 1.2x on Zen 3).
   static constexpr bool kSidesFromMemory = true;
-  static inline void int4x2_biased(const uint8_t* p, const V16& zb, const V16& s, V16& w0, V16& w1) {
-    const __m256i a = widened(p), b = widened(p + 8), mask = _mm256_set1_epi32(0x0F);
-    w0 = {code(biased(_mm256_and_si256(a, mask)), zb.lo, s.lo), code(biased(_mm256_and_si256(b, mask)), zb.hi, s.hi)};
-    w1 = {code(biased(_mm256_srli_epi32(a, 4)), zb.lo, s.lo), code(biased(_mm256_srli_epi32(b, 4)), zb.hi, s.hi)};
-  }
   // Whether every lane of z is an integer of magnitude at most 2^22 (then 2^23 + z is exact); NaN and inf are not.
   static inline bool integral(const V16& z) {
-    const __m256 limit = _mm256_set1_ps(4194304.0f);
-    const __m256 ok_lo = _mm256_and_ps(_mm256_cmp_ps(_mm256_round_ps(z.lo, _MM_FROUND_TO_NEG_INF), z.lo, _CMP_EQ_OQ),
-                                       _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), z.lo), limit, _CMP_LE_OQ));
-    const __m256 ok_hi = _mm256_and_ps(_mm256_cmp_ps(_mm256_round_ps(z.hi, _MM_FROUND_TO_NEG_INF), z.hi, _CMP_EQ_OQ),
-                                       _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), z.hi), limit, _CMP_LE_OQ));
-    return _mm256_movemask_ps(_mm256_and_ps(ok_lo, ok_hi)) == 0xFF;
+    return _mm256_movemask_ps(_mm256_and_ps(integral(z.lo), integral(z.hi))) == 0xFF;
   }
   static inline V16 biased(const V16& z) {
     const __m256 bias = _mm256_set1_ps(8388608.0f);
     return {_mm256_add_ps(z.lo, bias), _mm256_add_ps(z.hi, bias)};
   }
+  template <bool Biased>
+  static inline void pair(const uint8_t* p, const V16& z, const V16& s, V16& w0, V16& w1) {
+    const __m256i a = widened(p), b = widened(p + 8), mask = _mm256_set1_epi32(0x0F);
+    w0 = {code(codes<Biased>(_mm256_and_si256(a, mask)), z.lo, s.lo),
+          code(codes<Biased>(_mm256_and_si256(b, mask)), z.hi, s.hi)};
+    w1 = {code(codes<Biased>(_mm256_srli_epi32(a, 4)), z.lo, s.lo),
+          code(codes<Biased>(_mm256_srli_epi32(b, 4)), z.hi, s.hi)};
+  }
+  static inline __m256 integral(__m256 z) {  // lanes: all ones where z is such an integer
+    const __m256 whole = _mm256_cmp_ps(_mm256_round_ps(z, _MM_FROUND_TO_NEG_INF), z, _CMP_EQ_OQ);
+    const __m256 small = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), z), _mm256_set1_ps(4194304.0f),
+                                       _CMP_LE_OQ);
+    return _mm256_and_ps(whole, small);
+  }
   static inline __m256i widened(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
-  static inline __m256 biased(__m256i q) { return _mm256_castsi256_ps(_mm256_or_si256(q, _mm256_set1_epi32(0x4B000000))); }
+  // Codes 0..15 as floats: q itself, or 2^23 + q (its exponent bits set) for the biased decoding.
+  template <bool Biased>
+  static inline __m256 codes(__m256i q) {
+    if constexpr (Biased)
+      return _mm256_castsi256_ps(_mm256_or_si256(q, _mm256_set1_epi32(0x4B000000)));
+    else
+      return _mm256_cvtepi32_ps(q);
+  }
   static inline __m256 code(__m256 q, __m256 z, __m256 s) { return _mm256_mul_ps(_mm256_sub_ps(q, z), s); }
   static inline V16 i8(const int8_t* p) {
     const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));

@@ -99,9 +99,9 @@ def test_a_row_does_not_depend_on_the_rows_computed_with_it(kind, isa_paths):
 
 
 def test_any_zero_gives_the_scalar_paths_bits_at_every_row_count(isa_paths):
-    # The AVX2 path decodes a group whose zeros are all integers of magnitude <= 2^22 without a conversion
-    # ((2^23 + q) - (2^23 + z)); every other group (a fractional zero, -0.0, one past the limit, inf, NaN)
-    # takes the conversion. Mixed groups in one block, blocks of each kind side by side, every row tile.
+    # The AVX2 path decodes a group whose zeros are all integers of magnitude <= 2^22 (-0.0 and +-2^22 too)
+    # without a conversion ((2^23 + q) - (2^23 + z)); every other group (a fractional zero in either half of a
+    # block, a larger integer, a denormal, inf, NaN) takes the conversion. Every row tile.
     gen = torch.Generator().manual_seed(9)
     n, k, group = 80, 320, 32
     codes = torch.randint(0, 16, (n, k), generator=gen)
