@@ -33,7 +33,8 @@ loading and everything generate does before the first token. Reported per varian
 plain, TTFT ratio, acceptance, tokens per target forward, and the adaptive controller's choices.
 
 Usage: ``python benchmarks/speculative.py [--runs 5] [--new-tokens 64] [--awq-throttle-mbps 0,1000] [--quick]``.
-Writes docs/benchmarks/speculative.json and .png (``--name``: another stem; ``--quick``: a smoke run written under /tmp).
+Writes docs/benchmarks/speculative.json and .png (``--name``: another stem; ``--quick``: a smoke run written
+under /tmp).
 """
 
 from __future__ import annotations
