@@ -1,5 +1,5 @@
 // torch custom ops (namespace `kvboost`) over the per-ISA kernels of kvboost_kernels.h: argument
-// checks, the ISA in effect, and threads over blocks of output columns (at::parallel_for, so
+// checks, the ISA in effect, and threads over chunks of output columns (balanced_for over at::parallel_for, so
 // torch.set_num_threads applies). A thread count never changes a result: columns are independent.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,6 +62,31 @@ int64_t set_level(int64_t wanted) {
 int64_t get_level() { return g_level.load(); }
 int64_t get_host_level() { return host_level(); }
 
+// Runs per_thread(take) on each thread of a parallel region over [0, n) in chunks of `chunk`; take(c0, c1)
+// gives a thread the next chunk not yet taken, false once none is left. Threads take chunks as they finish
+// them, so a thread that starts late or runs slower (a hypervisor's other tenants) computes fewer, rather
+// than the others waiting for its half at the region's end (a static split left the main thread waiting ~12%
+// of a decode step on a 2-vCPU VM). Which thread computes a chunk changes no bit: the chunks are independent.
+template <class F>
+void balanced_for(int64_t n, int64_t chunk, const F& per_thread) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  auto take = [&](int64_t& c0, int64_t& c1) {
+    const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= chunks) return false;
+    c0 = c * chunk, c1 = std::min(n, c0 + chunk);
+    return true;
+  };
+  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1,
+                   [&](int64_t, int64_t) { per_thread(take); });
+}
+
+// What a thread takes at a time out of n blocks or weight rows: about 8 chunks per thread, a multiple of `unit`.
+int64_t chunk_of(int64_t n, int64_t unit) {
+  const int64_t parts = 8 * at::get_num_threads(), per = (n + parts - 1) / parts;
+  return std::max<int64_t>(unit, (per + unit - 1) / unit * unit);
+}
+
 void check_rows(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.device().is_cpu(), "kvboost kernels run on CPU tensors, got ", x.device());
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "], got ", x.sizes());
@@ -117,8 +142,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    KVB_BY_LEVEL(level, int8_blocks, xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
+  balanced_for(blocks, chunk_of(blocks, 4), [&](const auto& take) {
+    for (int64_t b0, b1; take(b0, b1);) KVB_BY_LEVEL(level, int8_blocks, xp, m, k, qp, sp, b0, b1, op, 16 * blocks);
   });
   return finish(out, n, x.scalar_type());
 }
@@ -136,13 +161,12 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   float* op = out.data_ptr<float>();
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   const void* wp = w.data_ptr();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    if (bf16) {
-      const auto* p = static_cast<const uint16_t*>(wp);
-      KVB_BY_LEVEL(level, bf16_blocks, xp, m, k, p, b0, b1, op, 16 * blocks);
-    } else {
-      const auto* p = static_cast<const float*>(wp);
-      KVB_BY_LEVEL(level, f32_blocks, xp, m, k, p, b0, b1, op, 16 * blocks);
+  balanced_for(blocks, chunk_of(blocks, 4), [&](const auto& take) {
+    for (int64_t b0, b1; take(b0, b1);) {
+      if (bf16)
+        KVB_BY_LEVEL(level, bf16_blocks, xp, m, k, static_cast<const uint16_t*>(wp), b0, b1, op, 16 * blocks);
+      else
+        KVB_BY_LEVEL(level, f32_blocks, xp, m, k, static_cast<const float*>(wp), b0, b1, op, 16 * blocks);
     }
   });
   return finish(out, n, x.scalar_type());
@@ -163,7 +187,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) { kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, op, n); });
+    balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
+      for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, op, n);
+    });
     return out.to(x.scalar_type());
   }
   const at::Tensor xf = rows_f32(x, k);
@@ -174,13 +200,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   float* op = out.data_ptr<float>();
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   const void* wp = w.data_ptr();
-  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-    if (bf16) {
-      const auto* p = static_cast<const uint16_t*>(wp);
-      KVB_BY_LEVEL(level, bf16_rows, xp, m, k, p, n0, n1, op, n);
-    } else {
-      const auto* p = static_cast<const float*>(wp);
-      KVB_BY_LEVEL(level, f32_rows, xp, m, k, p, n0, n1, op, n);
+  balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
+    for (int64_t n0, n1; take(n0, n1);) {
+      if (bf16)
+        KVB_BY_LEVEL(level, bf16_rows, xp, m, k, static_cast<const uint16_t*>(wp), n0, n1, op, n);
+      else
+        KVB_BY_LEVEL(level, f32_rows, xp, m, k, static_cast<const float*>(wp), n0, n1, op, n);
     }
   });
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
@@ -302,19 +327,22 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
   std::vector<float> xs(bf16 ? m * (k / group) : 0);
   if (bf16) kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, group, xs.data());
   const bool vbmi = bf16 && vbmi_decoding(group);  // once: the strip's size depends on it
-  at::parallel_for(0, blocks, 1, [&](int64_t g0, int64_t g1) {
+  balanced_for(blocks, chunk_of(blocks, 4), [&](const auto& take) {
     std::vector<uint32_t> strip_bf16(bf16 ? kvb_avx512bf16::strip_words(m, k, vbmi) : 0);
     std::vector<float> strip(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
-    for (size_t i = 0; i < ws.size(); ++i) {  // the blocks of [g0, g1) that belong to weight i
-      const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
-      if (b0 >= b1) continue;
-      const KvbInt4Weight& w = ws[i];
-      if (bf16)
-        kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, w.q, w.scales, w.zeros,
-                                    group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16.data(), vbmi);
-      else
-        KVB_BY_LEVEL(level, int4_blocks, xc.data_ptr<float>(), m, k, w.q, w.scales, w.zeros, group, b0, b1,
-                     op + offsets[i], ldo, strip.data());
+    for (int64_t g0, g1; take(g0, g1);) {
+      for (size_t i = 0; i < ws.size(); ++i) {  // the blocks of [g0, g1) that belong to weight i
+        const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
+        if (b0 >= b1) continue;
+        const KvbInt4Weight& w = ws[i];
+        if (bf16)
+          kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, w.q, w.scales,
+                                      w.zeros, group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16.data(),
+                                      vbmi);
+        else
+          KVB_BY_LEVEL(level, int4_blocks, xc.data_ptr<float>(), m, k, w.q, w.scales, w.zeros, group, b0, b1,
+                       op + offsets[i], ldo, strip.data());
+      }
     }
   });
   return out;
