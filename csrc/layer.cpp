@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -55,7 +56,7 @@ Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int
 at::Tensor int4_columns(const at::Tensor& x, const std::vector<Int4Proj>& ps, std::vector<int64_t>& offsets) {
   std::vector<KvbInt4Weight> ws;
   for (const Int4Proj& p : ps) ws.push_back(p.w);
-  return kvb_int4_columns(x.to(at::kBFloat16), ws, offsets);
+  return kvb_int4_columns(x, ws, offsets, /*bf16_inputs=*/true);
 }
 
 // Projection i's output as AWQInt4Linear returns it: rounded to bf16, then to `dtype`, plus its bias.
@@ -85,6 +86,29 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
     }
   }
   return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
+}
+
+// a + b (or a * b) of one shape, dtype and contiguous layout, as torch's add (mul) computes it on that dtype: in
+// float32, rounded once to the dtype. A loop up to kLoopElements elements, torch's op beyond or for other layouts.
+at::Tensor elementwise(const at::Tensor& a, const at::Tensor& b, bool product) {
+  if (a.numel() > kLoopElements || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() ||
+      !a.is_contiguous() || !b.is_contiguous() ||
+      (a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kFloat))
+    return product ? at::mul(a, b) : at::add(a, b);
+  at::Tensor out = at::empty_like(a);
+  const int64_t count = a.numel();
+  auto run = [&](auto* o, const auto* x, const auto* y) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(o)>>;
+    for (int64_t i = 0; i < count; ++i) {
+      const float u = static_cast<float>(x[i]), v = static_cast<float>(y[i]);
+      o[i] = static_cast<T>(product ? u * v : u + v);
+    }
+  };
+  if (a.scalar_type() == at::kBFloat16)
+    run(out.data_ptr<c10::BFloat16>(), a.data_ptr<c10::BFloat16>(), b.data_ptr<c10::BFloat16>());
+  else
+    run(out.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>());
+  return out;
 }
 
 std::vector<Int4Proj> int4_projs(at::TensorList qs, at::TensorList sides, at::IntArrayRef outs, at::IntArrayRef groups,
@@ -210,18 +234,18 @@ at::Tensor layer_output(const at::Tensor& residual, const at::Tensor& attn, at::
   const at::Tensor o_columns = int4_columns(a, o, offsets);  // (fills offsets: not inside the call below)
   at::Tensor branch = projection(o_columns, offsets[0], o[0], biases.get(0), dtype, {batch, rows});
   if (post_attention_norm.has_value()) branch = kvb_rms_norm(branch, *post_attention_norm, eps);
-  const at::Tensor h = at::add(residual, branch);
+  const at::Tensor h = elementwise(residual, branch, false);
   const std::vector<Int4Proj> gate_up = int4_projs(qweights, sides, outs, groups, 1, 2, width);
   const at::Tensor columns = int4_columns(kvb_rms_norm(h, ffn_norm, eps).reshape({-1, width}), gate_up, offsets);
   const at::Tensor gate = projection(columns, offsets[0], gate_up[0], biases.get(1), dtype, {batch, rows});
   const at::Tensor up = projection(columns, offsets[1], gate_up[1], biases.get(2), dtype, {batch, rows});
   const at::Tensor gated = act == "silu" ? at::silu(gate) : at::gelu(gate, act == "gelu_tanh" ? "tanh" : "none");
-  const at::Tensor product = at::mul(gated, up).reshape({batch * rows, -1});
+  const at::Tensor product = elementwise(gated, up, true).reshape({batch * rows, -1});
   const std::vector<Int4Proj> down = int4_projs(qweights, sides, outs, groups, 3, 1, product.size(1));
   const at::Tensor down_columns = int4_columns(product, down, offsets);
   at::Tensor ffn = projection(down_columns, offsets[0], down[0], biases.get(3), dtype, {batch, rows});
   if (post_ffn_norm.has_value()) ffn = kvb_rms_norm(ffn, *post_ffn_norm, eps);
-  return at::add(h, ffn);
+  return elementwise(h, ffn, false);
 }
 
 }  // namespace

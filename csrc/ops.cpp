@@ -3,6 +3,7 @@
 // torch.set_num_threads applies). A thread count never changes a result: columns are independent.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
@@ -293,22 +294,56 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
               "x must be float32, bfloat16 or float16, got ", dtype);
   const at::Tensor xc = (dtype == at::kHalf ? x.to(at::kFloat) : x).contiguous();
   const int64_t rows = n == 0 ? 0 : xc.numel() / n;
-  at::Tensor out = at::empty(x.sizes(), xc.options().dtype(at::kFloat));
-  const int64_t level = get_level();
-  const void* xp = xc.data_ptr();
   const bool bf16 = dtype == at::kBFloat16;
+  // bfloat16 rows are rounded from a thread's float scratch into the result (the bits .to(bfloat16) gives,
+  // without a float32 tensor and a cast per call); float16 through a float32 result, as before.
+  at::Tensor out = at::empty(x.sizes(), xc.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const int64_t level = get_level();
+  const auto* xp = static_cast<const char*>(xc.data_ptr());
+  const int64_t row_bytes = n * xc.element_size();
   const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
-    KVB_BY_LEVEL(level, rms_rows, xp, bf16, n, n, sp, e, r0, r1, op);
+    if (!bf16) {
+      KVB_BY_LEVEL(level, rms_rows, xp, false, n, n, sp, e, r0, r1, out.data_ptr<float>());
+      return;
+    }
+    std::vector<float> scratch((r1 - r0) * n);
+    KVB_BY_LEVEL(level, rms_rows, xp + r0 * row_bytes, true, n, n, sp, e, 0, r1 - r0, scratch.data());
+    c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r0 * n;
+    for (size_t i = 0; i < scratch.size(); ++i) o[i] = c10::BFloat16(scratch[i]);
   });
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
+// Up to this many elements, gemm_rows converts in a plain loop (an empty tensor and a loop cost less than
+// ATen's cast for a decode step's rows; -fno-tree-vectorize makes the loop scalar, so large inputs take ATen's).
+constexpr int64_t kLoopCast = 16384;
+
+// x [M, K] as the float32 rows the kernels read; `round_bf16`: each value first rounded to bfloat16, the
+// activations an AWQ linear takes (x.to(bfloat16).to(float32), the same bits). A copy only where needed.
+at::Tensor gemm_rows(const at::Tensor& x, bool round_bf16) {
+  const at::ScalarType dtype = x.scalar_type();
+  if (x.numel() > kLoopCast || !x.is_contiguous() || (dtype != at::kBFloat16 && dtype != at::kFloat))
+    return (round_bf16 ? x.to(at::kBFloat16) : x).to(at::kFloat).contiguous();
+  if (dtype == at::kFloat && !round_bf16) return x;
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t count = x.numel();
+  if (dtype == at::kBFloat16) {
+    const c10::BFloat16* p = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<float>(p[i]);
+  } else {
+    const float* p = x.data_ptr<float>();
+    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<float>(c10::BFloat16(p[i]));
+  }
+  return out;
+}
+
 }  // namespace
 
-at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets) {
+at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets,
+                            bool bf16_inputs) {
   const int64_t k = x.size(1), group = ws.at(0).group, level = get_level();
   std::vector<int64_t> starts{0};
   offsets.clear();
@@ -319,8 +354,8 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
   }
   const int64_t blocks = starts.back(), ldo = 16 * blocks;
   // bf16 activations on the AVX-512 BF16 path: its own numerics (gemm_avx512bf16.cpp); else float32 fmas
-  const bool bf16 = level == kAvx512Bf16 && x.scalar_type() == at::kBFloat16;
-  const at::Tensor xc = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const bool bf16 = level == kAvx512Bf16 && (bf16_inputs || x.scalar_type() == at::kBFloat16);
+  const at::Tensor xc = bf16 ? x.to(at::kBFloat16).contiguous() : gemm_rows(x, bf16_inputs);
   const int64_t m = xc.size(0);
   at::Tensor out = at::empty({m, ldo}, xc.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();

@@ -18,7 +18,9 @@ struct KvbInt4Weight {
 // x [M, K] (CPU, checked by the caller) through int4 weights sharing K and group size, as
 // torch.ops.kvboost.int4_linear computes each column (columns are independent: which weights share a call
 // changes no bit): float [M, sum of 16 * blocks], weight i from column offsets[i]; threads over all blocks.
-at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets);
+// `bf16_inputs`: x's values rounded to bfloat16 first, as int4_linear(x.to(bfloat16)) computes.
+at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets,
+                            bool bf16_inputs = false);
 
 // torch.ops.kvboost.rms_norm: the result in x's dtype.
 at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps);
