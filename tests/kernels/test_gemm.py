@@ -132,18 +132,28 @@ def test_any_zero_gives_the_scalar_paths_bits_at_every_row_count(isa_paths):
     assert want[13].isnan().any() and want[13].isfinite().any()
 
 
-def test_thread_count_never_changes_a_bit(built):
-    linear = rows_kernel("int4", k=640, n=2048)
-    x = torch.randn(20, 640, generator=torch.Generator().manual_seed(4))
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            outs.append(linear(x))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(o, outs[0]) for o in outs)
+@pytest.mark.parametrize("kind", ["int4", "int8", "bf16", "fp32", "row-major"])
+def test_thread_count_never_changes_a_bit(kind, built):
+    """Threads take chunks of columns as they finish them (a chunk per thread, more chunks than threads, a last
+    chunk cut short: 2048 columns, and 80 for fewer chunks than some thread counts); no count changes a bit."""
+    gen = torch.Generator().manual_seed(4)
+    for n in (2048, 80):
+        if kind == "row-major":
+            weight = torch.randn(n, 640, generator=gen).to(torch.bfloat16)
+            linear = lambda x: kernels.linear(x, weight)  # noqa: E731
+        else:
+            linear = rows_kernel(kind, k=640, n=n)
+        for m in (1, 9, 20):
+            x = torch.randn(m, 640, generator=gen)
+            threads = torch.get_num_threads()
+            try:
+                outs = []
+                for t in (1, 2, 3, 7):
+                    torch.set_num_threads(t)
+                    outs.append(linear(x))
+            finally:
+                torch.set_num_threads(threads)
+            assert all(torch.equal(o, outs[0]) for o in outs), (kind, n, m)
 
 
 def test_bf16_activations_give_bf16_outputs_of_the_float_result(isa_paths):
