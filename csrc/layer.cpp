@@ -23,11 +23,6 @@
 
 namespace {
 
-// Up to this many elements, the elementwise steps below (rounding projections, RoPE) run as plain loops,
-// which cost less than torch's ops for a decode step's few rows; beyond it, as torch's ops, which
-// vectorize (a 256-token prefill was 15% slower on the loops). Both give the same bits (tested).
-constexpr int64_t kLoopElements = 16384;
-
 // One int4 linear of the layer: its weight, and its out_features (up to 16 * blocks).
 struct Int4Proj {
   KvbInt4Weight w;
@@ -70,7 +65,7 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
   shape.push_back(p.out);
   const int64_t rows = columns.size(0), ld = columns.size(1);
   at::Tensor y;
-  if (rows * p.out > kLoopElements) {  // torch's vectorized casts, the same roundings
+  if (rows * p.out > kKvbLoopElements) {  // torch's vectorized casts, the same roundings
     y = columns.narrow(1, offset, p.out).to(at::kBFloat16).to(dtype).reshape(shape);
   } else {
     y = at::empty(shape, columns.options().dtype(dtype));
@@ -89,9 +84,10 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
 }
 
 // a + b (or a * b) of one shape, dtype and contiguous layout, as torch's add (mul) computes it on that dtype: in
-// float32, rounded once to the dtype. A loop up to kLoopElements elements, torch's op beyond or for other layouts.
+// float32, rounded once to the dtype. A loop up to kKvbLoopElements elements, torch's op beyond or for other
+// layouts.
 at::Tensor elementwise(const at::Tensor& a, const at::Tensor& b, bool product) {
-  if (a.numel() > kLoopElements || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() ||
+  if (a.numel() > kKvbLoopElements || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() ||
       !a.is_contiguous() || !b.is_contiguous() ||
       (a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kFloat))
     return product ? at::mul(a, b) : at::add(a, b);
@@ -159,7 +155,7 @@ void rope_rows(const T* x, const T* cos, const T* sin, int64_t cb, int64_t cm, i
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.size(3) % 2 == 0, "RoPE needs an even head_dim, got ", x.size(3));
-  if (x.numel() > kLoopElements) {  // transformers' apply_rotary_pos_emb, op for op
+  if (x.numel() > kKvbLoopElements) {  // transformers' apply_rotary_pos_emb, op for op
     const int64_t half = x.size(3) / 2;
     const at::Tensor rotated = at::cat({at::neg(x.narrow(3, half, half)), x.narrow(3, 0, half)}, 3);
     return at::add(at::mul(x, cos.unsqueeze(1)), at::mul(rotated, sin.unsqueeze(1))).contiguous();

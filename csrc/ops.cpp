@@ -95,9 +95,29 @@ void check_rows(const at::Tensor& x, int64_t k) {
               "x must be float32, bfloat16 or float16, got ", x.scalar_type());
 }
 
+// x [M, K] as the float32 rows the kernels read; `round_bf16`: each value first rounded to bfloat16, the
+// activations an AWQ linear takes (x.to(bfloat16).to(float32), the same bits). A copy only where needed.
+at::Tensor gemm_rows(const at::Tensor& x, bool round_bf16) {
+  const at::ScalarType dtype = x.scalar_type();
+  if (x.numel() > kKvbLoopElements || !x.is_contiguous() || (dtype != at::kBFloat16 && dtype != at::kFloat))
+    return (round_bf16 ? x.to(at::kBFloat16) : x).to(at::kFloat).contiguous();
+  if (dtype == at::kFloat && !round_bf16) return x;
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t count = x.numel();
+  if (dtype == at::kBFloat16) {
+    const c10::BFloat16* p = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<float>(p[i]);
+  } else {
+    const float* p = x.data_ptr<float>();
+    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<float>(c10::BFloat16(p[i]));
+  }
+  return out;
+}
+
 at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
   check_rows(x, k);
-  return x.to(at::kFloat).contiguous();
+  return gemm_rows(x, false);
 }
 
 void check_blocks(const at::Tensor& w, at::ScalarType dtype, int64_t width, const char* name) {
@@ -314,30 +334,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
     for (size_t i = 0; i < scratch.size(); ++i) o[i] = c10::BFloat16(scratch[i]);
   });
   return out.scalar_type() == dtype ? out : out.to(dtype);
-}
-
-// Up to this many elements, gemm_rows converts in a plain loop (an empty tensor and a loop cost less than
-// ATen's cast for a decode step's rows; -fno-tree-vectorize makes the loop scalar, so large inputs take ATen's).
-constexpr int64_t kLoopCast = 16384;
-
-// x [M, K] as the float32 rows the kernels read; `round_bf16`: each value first rounded to bfloat16, the
-// activations an AWQ linear takes (x.to(bfloat16).to(float32), the same bits). A copy only where needed.
-at::Tensor gemm_rows(const at::Tensor& x, bool round_bf16) {
-  const at::ScalarType dtype = x.scalar_type();
-  if (x.numel() > kLoopCast || !x.is_contiguous() || (dtype != at::kBFloat16 && dtype != at::kFloat))
-    return (round_bf16 ? x.to(at::kBFloat16) : x).to(at::kFloat).contiguous();
-  if (dtype == at::kFloat && !round_bf16) return x;
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  const int64_t count = x.numel();
-  if (dtype == at::kBFloat16) {
-    const c10::BFloat16* p = x.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<float>(p[i]);
-  } else {
-    const float* p = x.data_ptr<float>();
-    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<float>(c10::BFloat16(p[i]));
-  }
-  return out;
 }
 
 }  // namespace
