@@ -14,18 +14,15 @@ constexpr int64_t kNkPairRows = 6;  // 2 weight rows: 18 accumulators + 2 weight
 constexpr int kSmallBlocks = 4;
 
 struct V16 {
-  static constexpr bool kBiasedCodes = false;  // int4 decoded as (q - zero) * scale only (gemm_body.inc)
-  static constexpr bool kSidesFromMemory = false;  // a group's scales and zeros stay in registers
   __m512 v;
   static inline V16 zero() { return {_mm512_setzero_ps()}; }
   static inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static inline void int4x2(const uint8_t* p, const V16& z, const V16& s, V16& w0, V16& w1) {
+  static inline V16 set1(float a) { return {_mm512_set1_ps(a)}; }
+  static inline void int4_codes(const uint8_t* p, V16& c0, V16& c1) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-    w0 = {_mm512_mul_ps(_mm512_sub_ps(q0, z.v), s.v)};
-    w1 = {_mm512_mul_ps(_mm512_sub_ps(q1, z.v), s.v)};
+    c0 = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)))};
+    c1 = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)))};
   }
   static inline V16 i8(const int8_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
@@ -45,6 +42,8 @@ struct V16 {
     return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
   }
   static inline V16 mul(const V16& a, const V16& b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static inline V16 add(const V16& a, const V16& b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static inline V16 sub(const V16& a, const V16& b) { return {_mm512_sub_ps(a.v, b.v)}; }
   inline void store(float* p) const { _mm512_storeu_ps(p, v); }
 };
 

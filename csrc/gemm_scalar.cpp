@@ -13,8 +13,6 @@ constexpr int64_t kNkPairRows = 0;  // one weight row per pass
 constexpr int kSmallBlocks = 1;
 
 struct V16 {
-  static constexpr bool kBiasedCodes = false;  // int4 decoded as (q - zero) * scale only (gemm_body.inc)
-  static constexpr bool kSidesFromMemory = false;  // a group's scales and zeros stay in registers
   float v[16];
   static inline V16 zero() {
     V16 r;
@@ -26,11 +24,17 @@ struct V16 {
     for (int j = 0; j < 16; ++j) r.v[j] = p[j];
     return r;
   }
-  // Rows k and k + 1 of a block: byte j holds column j of row k (low nibble) and of row k + 1 (high).
-  static inline void int4x2(const uint8_t* p, const V16& z, const V16& s, V16& w0, V16& w1) {
+  static inline V16 set1(float a) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = a;
+    return r;
+  }
+  // The codes (0..15, as floats) of rows k and k + 1 of a block: byte j holds column j of row k (low
+  // nibble) and of row k + 1 (high).
+  static inline void int4_codes(const uint8_t* p, V16& c0, V16& c1) {
     for (int j = 0; j < 16; ++j) {
-      w0.v[j] = (static_cast<float>(p[j] & 0x0F) - z.v[j]) * s.v[j];
-      w1.v[j] = (static_cast<float>(p[j] >> 4) - z.v[j]) * s.v[j];
+      c0.v[j] = static_cast<float>(p[j] & 0x0F);
+      c1.v[j] = static_cast<float>(p[j] >> 4);
     }
   }
   static inline V16 i8(const int8_t* p) {
@@ -71,6 +75,16 @@ struct V16 {
   static inline V16 mul(const V16& a, const V16& b) {
     V16 r;
     for (int j = 0; j < 16; ++j) r.v[j] = a.v[j] * b.v[j];
+    return r;
+  }
+  static inline V16 add(const V16& a, const V16& b) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = a.v[j] + b.v[j];
+    return r;
+  }
+  static inline V16 sub(const V16& a, const V16& b) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = a.v[j] - b.v[j];
     return r;
   }
   inline void store(float* p) const {

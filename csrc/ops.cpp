@@ -338,9 +338,27 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
 
 }  // namespace
 
+void kvb_group_sums(const float* x, int64_t m, int64_t k, int64_t group, float* xs) {
+  // x is [m, k] contiguous and group divides k, so span s (row s / groups, group s % groups) is x[s * group ..]
+  const int64_t spans = m * (k / group);
+  int64_t s = 0;
+  for (; s + 8 <= spans; s += 8) {  // eight independent in-order chains at once: the same sums, sooner
+    float t[8] = {};
+    for (int64_t i = 0; i < group; ++i)
+      for (int j = 0; j < 8; ++j) t[j] = t[j] + x[(s + j) * group + i];
+    std::copy(t, t + 8, xs + s);
+  }
+  for (; s < spans; ++s) {
+    float t = 0.0f;
+    for (int64_t i = 0; i < group; ++i) t = t + x[s * group + i];
+    xs[s] = t;
+  }
+}
+
 at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets,
                             bool bf16_inputs) {
   const int64_t k = x.size(1), group = ws.at(0).group, level = get_level();
+  TORCH_CHECK(group % 2 == 0, "int4 group_size must be even (rows k and k + 1 share a byte), got ", group);
   std::vector<int64_t> starts{0};
   offsets.clear();
   for (const KvbInt4Weight& w : ws) {
@@ -355,8 +373,11 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
   const int64_t m = xc.size(0);
   at::Tensor out = at::empty({m, ldo}, xc.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  std::vector<float> xs(bf16 ? m * (k / group) : 0);
-  if (bf16) kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, group, xs.data());
+  std::vector<float> xs(m * (k / group));  // per row and group: the bf16 path's pair sums, else in-order sums
+  if (bf16)
+    kvb_avx512bf16::group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, group, xs.data());
+  else
+    kvb_group_sums(xc.data_ptr<float>(), m, k, group, xs.data());
   const bool vbmi = bf16 && vbmi_decoding(group);  // once: the strip's size depends on it
   balanced_for(blocks, chunk_of(blocks, 4), [&](const auto& take) {
     std::vector<uint32_t> strip_bf16(bf16 ? kvb_avx512bf16::strip_words(m, k, vbmi) : 0);
@@ -371,8 +392,8 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
                                       w.zeros, group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16.data(),
                                       vbmi);
         else
-          KVB_BY_LEVEL(level, int4_blocks, xc.data_ptr<float>(), m, k, w.q, w.scales, w.zeros, group, b0, b1,
-                       op + offsets[i], ldo, strip.data());
+          KVB_BY_LEVEL(level, int4_blocks, xc.data_ptr<float>(), m, k, w.q, w.scales, w.zeros, group, xs.data(),
+                       b0, b1, op + offsets[i], ldo, strip.data());
       }
     }
   });

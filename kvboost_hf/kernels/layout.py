@@ -67,8 +67,8 @@ def int4_groups(t: torch.Tensor) -> torch.Tensor:
 def pack_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Blocks:
     """Codes ``[N, K]`` (0..15) with per-group ``zeros``/``scales`` ``[K/G, N]`` -> :class:`Int4Blocks`."""
     n, k = codes.shape
-    if k % group_size:
-        raise ValueError(f"group_size {group_size} does not divide in_features {k}")
+    if group_size <= 0 or group_size % 2 or k % group_size:
+        raise ValueError(f"group_size must be even and divide in_features {k}, got {group_size}")
     if tuple(scales.shape) != (k // group_size, n) or tuple(zeros.shape) != tuple(scales.shape):
         raise ValueError(f"scales/zeros must be [{k // group_size}, {n}], got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")

@@ -79,7 +79,7 @@ def set_vbmi(allowed: bool) -> bool:
 def int4_numerics() -> str:
     """The name of the bits the int4 op computes now (bf16 activations, as AWQ linears give it): the
     avx512_bf16 path has its own (``vdpbf16ps``, scale per group); scalar, avx2 and avx512 share theirs."""
-    return "kvboost-int4-bf16dot-v1" if loaded() and current_isa() == "avx512_bf16" else "kvboost-int4-fma-v1"
+    return "kvboost-int4-bf16dot-v1" if loaded() and current_isa() == "avx512_bf16" else "kvboost-int4-fma-v2"
 
 
 def current_isa() -> str:

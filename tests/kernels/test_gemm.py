@@ -52,6 +52,39 @@ def test_int4_matches_the_dequantized_weight_on_every_path(shape, zero_point, is
         assert torch.equal(outs[isa], outs["scalar"]), isa
 
 
+def emulated_fp32_int4(x: torch.Tensor, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                       group: int) -> torch.Tensor:
+    """The float32 paths' int4 contract (csrc/kvboost_kernels.h), written in torch: per group, t is the
+    fma chain of x * q over the group's k in order (an fma emulated in float64, where the product of a
+    float and a 4-bit code is exact), xs the in-order float32 sum of x; then acc + s * (t - z * xs)."""
+    m, k = x.shape
+    acc = torch.zeros(m, codes.shape[0])
+    q = codes.double().t()  # [K, N]
+    for g in range(k // group):
+        t = torch.zeros_like(acc)
+        xs = torch.zeros(m, 1)
+        for i in range(g * group, (g + 1) * group):
+            t = (t.double() + x[:, i:i + 1].double() * q[i]).float()
+            xs = xs + x[:, i:i + 1]
+        acc = acc + scales[g] * (t - zeros[g] * xs)
+    return acc
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+@pytest.mark.parametrize("shape", [(40, 64, 32), (100, 256, 64), (17, 128, 128)])
+def test_int4_float32_paths_are_their_definition(shape, zero_point, isa_paths):
+    """Every float32 path computes the documented formula bit for bit, at one row, a few and a strip's many."""
+    n, k, group = shape
+    blocks, codes, zeros, scales = random_int4(n, k, group, zero_point, seed=3 * n + k)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(k))
+    want = emulated_fp32_int4(x, codes, zeros, scales, group)
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        for rows in (x[:1], x[:2], x[:5], x):
+            assert torch.equal(kernels.int4_linear(rows, blocks), want[:len(rows)]), (isa, len(rows))
+    kernels.select_isa(None)
+
+
 def test_int8_and_dense_match_their_reference_on_every_path(isa_paths):
     gen = torch.Generator().manual_seed(3)
     n, k = 70, 96
@@ -175,8 +208,14 @@ def test_bad_inputs_say_what_to_change(built):
         torch.ops.kvboost.int4_linear(torch.randn(1, 64), blocks.qweight, blocks.scales, blocks.zeros, 48, 32)
     with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
         kernels.int4_linear(torch.ones(1, 64, dtype=torch.int32), blocks)
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(ValueError, match="group_size must be even and divide in_features 48, got 32"):
         pack_int4(torch.zeros(16, 48, dtype=torch.long), torch.zeros(1, 16), torch.ones(1, 16), 32)
+    # rows k and k + 1 share a byte: an odd group would give a pair two groups' scales
+    with pytest.raises(ValueError, match="must be even"):
+        pack_int4(torch.zeros(16, 6, dtype=torch.long), torch.zeros(2, 16), torch.ones(2, 16), 3)
+    sides = torch.ones(2, 64, 16)
+    with pytest.raises(RuntimeError, match="int4 group_size must be even"):
+        torch.ops.kvboost.int4_linear(torch.randn(1, 64), blocks.qweight, sides, sides, 1, 32)
     with pytest.raises(ValueError, match="0..15"):
         pack_int4(torch.full((16, 32), 16), torch.zeros(1, 16), torch.ones(1, 16), 32)
     with pytest.raises(ValueError, match="isa must be one of"):

@@ -27,7 +27,7 @@ def test_the_namespace_follows_the_int4_numerics_of_the_isa_path(tiny_awq):
         kernels.select_isa(None)
     fma = {keys[isa][0] for isa in paths if isa != "avx512_bf16"}
     assert len(fma) == 1  # scalar, avx2 and avx512 compute the same bits: one namespace
-    assert {numerics[isa] for isa in paths if isa != "avx512_bf16"} == {"kvboost-int4-fma-v1"}
+    assert {numerics[isa] for isa in paths if isa != "avx512_bf16"} == {"kvboost-int4-fma-v2"}
     if "avx512_bf16" in keys:
         assert keys["avx512_bf16"][0] not in fma and numerics["avx512_bf16"] == "kvboost-int4-bf16dot-v1"
     assert len({key for _, key in keys.values()}) == 1  # torch's kernel: its namespace as before
