@@ -132,9 +132,8 @@ def test_a_row_does_not_depend_on_the_rows_computed_with_it(kind, isa_paths):
 
 
 def test_any_zero_gives_the_scalar_paths_bits_at_every_row_count(isa_paths):
-    # The AVX2 path decodes a group whose zeros are all integers of magnitude <= 2^22 (-0.0 and +-2^22 too)
-    # without a conversion ((2^23 + q) - (2^23 + z)); every other group (a fractional zero in either half of a
-    # block, a larger integer, a denormal, inf, NaN) takes the conversion. Every row tile.
+    # Zeros of every kind (fractional in either half of a block, -0.0, large integers, a denormal, inf, NaN)
+    # meet the group's sum of x once per group (t - z * xs): every path and row tile, the same bits, NaNs too.
     gen = torch.Generator().manual_seed(9)
     n, k, group = 80, 320, 32
     codes = torch.randint(0, 16, (n, k), generator=gen)
@@ -145,7 +144,7 @@ def test_any_zero_gives_the_scalar_paths_bits_at_every_row_count(isa_paths):
     zeros[2, :] = -0.0
     zeros[3, 5] = 2.0**22
     zeros[3, 6] = -(2.0**22)
-    zeros[4, 40:] = 2.0**25 - 2  # an integer whose 2^23 + z is not a float: biased, it would round
+    zeros[4, 40:] = 2.0**25 - 2
     zeros[5, 17] = float("inf")
     zeros[6, 33] = float("nan")
     zeros[7, :16] = 1e-30

@@ -1,0 +1,96 @@
+"""Two kernel sources against each other: one-thread and two-thread int4 GEMM times, alternating processes.
+
+A kernel change that should be faster is measured here before the whole-model benchmark
+(``benchmarks/kernels.py``), whose decode step moves by 20% between runs on a shared 2-core VM. Each
+round runs one process per source tree (``KVBOOST_HF_CSRC`` points the build at it; the build is
+cached by the sources' hash), ``--rounds`` times, in the order base, new, then new, base (ABBA: a
+drift of the host's speed falls on both); each process times Gemma-3-270M's int4 layer shapes
+(group 128, weights hot in cache) at M = 1, 9 and 256 rows, the minimum of 7 batches. The report
+gives each source's median over rounds and the median and range of the per-round ratios base / new
+(a round's two processes ran back to back, so their ratio is the least disturbed figure).
+
+    git archive HEAD csrc | tar -x -C /tmp/base        # the sources to compare against
+    python benchmarks/kernel_sources_ab.py --base /tmp/base/csrc [--new csrc] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {"gate+up 4096x640": (4096, 640), "down 640x2048": (640, 2048), "q_proj 1024x640": (1024, 640)}
+ROWS = (1, 9, 256)
+
+
+def worker() -> dict:
+    import torch
+
+    from kvboost_hf import kernels
+
+    if not kernels.available().built:
+        raise SystemExit(f"kernels not built: {kernels.available().reason}")
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, (n, k) in SHAPES.items():
+            codes = torch.randint(0, 16, (n, k), generator=gen)
+            zeros = torch.randint(0, 16, (k // 128, n), generator=gen).float()
+            blocks = kernels.pack_int4(codes, zeros, torch.rand(k // 128, n, generator=gen) * 0.02, 128)
+            for m in ROWS:
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+                calls = max(2, 400 // m)
+                batches = []
+                for _ in range(7):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        kernels.int4_linear(x, blocks)
+                    batches.append((time.perf_counter() - start) / calls * 1e6)
+                out[f"{name} M={m} threads={threads}"] = min(batches)
+    return out
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
+
+
+def run(csrc: str) -> dict:
+    env = dict(os.environ, KVBOOST_HF_CSRC=str(Path(csrc).resolve()))
+    done = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", help="csrc directory of the sources to compare against")
+    parser.add_argument("--new", default=str(Path(__file__).resolve().parent.parent / "csrc"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker()))
+        return
+    if not args.base:
+        parser.error("--base is required")
+    samples: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
+    order = [("base", args.base), ("new", args.new)]
+    for round_ in range(args.rounds):
+        for label, csrc in order if round_ % 2 == 0 else order[::-1]:
+            for key, us in run(csrc).items():
+                samples[label].setdefault(key, []).append(us)
+    print(f"{'shape, rows, threads':40s} {'base us':>10s} {'new us':>10s} {'base/new: median':>17s} {'range':>12s}")
+    for key, base in samples["base"].items():
+        new = samples["new"][key]
+        ratios = sorted(b / n for b, n in zip(base, new))
+        print(f"{key:40s} {median(base):10.1f} {median(new):10.1f} {median(ratios):17.2f} "
+              f"{ratios[0]:5.2f}-{ratios[-1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
