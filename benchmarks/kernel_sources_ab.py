@@ -11,6 +11,9 @@ gives each source's median over rounds and the median and range of the per-round
 
     git archive HEAD csrc | tar -x -C /tmp/base        # the sources to compare against
     python benchmarks/kernel_sources_ab.py --base /tmp/base/csrc [--new csrc] [--rounds 3]
+
+The activations are bf16, as an AWQ linear gives them: on an avx512_bf16 host they take that path's own
+kernel; set ``KVBOOST_HF_KERNEL_ISA=avx512`` (or avx2) to compare the float32 paths there.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@
 //   acc = acc + s[g, n] * (t - z[g, n] * xs[m, g])   (each operation rounded; acc from 0, groups in order)
 // where xs[m, g] = x[m, g0] + x[m, g0 + 1] + ... in order from 0 (kvb_group_sums, one function for every
 // path). That is (q - z) * s summed, with ~7 vector ops per 16 weights instead of ~11 (AVX2, one row).
+// Version 1 decoded each weight as (q - z) * s into one fma chain over K. The version is part of the store
+// namespace (kernels.int4_numerics(), from the op int4_numerics_version): change it with the bits.
+constexpr int64_t KVB_INT4_NUMERICS_VERSION = 2;
 // Weight layouts: output columns in blocks of 16, block b holding columns 16b..16b+15, K rows each.
 //   int4:  uint8 [NB, K, 8] (K even): the 16 bytes of rows 2p and 2p+1 hold, in byte j, column j
 //          of row 2p (low nibble) and column j of row 2p+1 (high nibble);
@@ -81,7 +84,7 @@ KVB_DECLARE_ISA(kvb_avx2)
 KVB_DECLARE_ISA(kvb_avx512)
 
 // The AVX-512 BF16 path: bf16 activations (bits as uint16), its own numerics (gemm_avx512bf16.cpp);
-// `strip` holds strip_words(m, k, group) uint32 (a block's K x 16 codes as bf16 pairs, or none where
+// `strip` holds strip_words(m, k, vbmi) uint32 (a block's K x 16 codes as bf16 pairs, or none where
 // the rows are few enough to decode the codes in registers).
 namespace kvb_avx512bf16 {
 // `vbmi`: decode the int4 codes with AVX-512 VBMI (only where the CPU has it and the group size is a multiple of

@@ -413,6 +413,7 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("isa_level() -> int", &get_level);
   m.def("host_isa_level() -> int", &get_host_level);
   m.def("set_vbmi(bool allowed) -> bool", &set_vbmi);
+  m.def("int4_numerics_version() -> int", [] { return KVB_INT4_NUMERICS_VERSION; });
 }
 
 TORCH_LIBRARY_IMPL(kvboost, CPU, m) {

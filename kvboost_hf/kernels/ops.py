@@ -78,8 +78,15 @@ def set_vbmi(allowed: bool) -> bool:
 
 def int4_numerics() -> str:
     """The name of the bits the int4 op computes now (bf16 activations, as AWQ linears give it): the
-    avx512_bf16 path has its own (``vdpbf16ps``, scale per group); scalar, avx2 and avx512 share theirs."""
-    return "kvboost-int4-bf16dot-v1" if loaded() and current_isa() == "avx512_bf16" else "kvboost-int4-fma-v2"
+    avx512_bf16 path has its own (``vdpbf16ps``, scale per group); scalar, avx2 and avx512 share theirs, whose
+    version the built library says (one built from sources older than that op computes v1). Without a built
+    library no int4 op computes anything: ``"kvboost-int4-unbuilt"``."""
+    if not loaded():
+        return "kvboost-int4-unbuilt"
+    if current_isa() == "avx512_bf16":
+        return "kvboost-int4-bf16dot-v1"
+    version = torch.ops.kvboost.int4_numerics_version() if hasattr(torch.ops.kvboost, "int4_numerics_version") else 1
+    return f"kvboost-int4-fma-v{version}"
 
 
 def current_isa() -> str:

@@ -218,8 +218,8 @@ def check_pack_args(args: argparse.Namespace, source: str) -> None:
         model_path_flag("MODEL", source)
     except FlagError as err:
         raise PackError(str(err)) from None
-    if args.group_size < 1:
-        raise PackError(f"--group-size {args.group_size}: must be 1 or more (32, 64 or 128 usually)")
+    if args.group_size < 2 or args.group_size % 2:
+        raise PackError(f"--group-size {args.group_size}: must be a positive even number (32, 64 or 128 usually)")
     if args.calibration_tokens < 1:
         raise PackError(f"--calibration-tokens {args.calibration_tokens}: must be 1 or more")
 

@@ -10,6 +10,21 @@ from kvboost_hf.models.namespace import namespace
 from tests.streaming.conftest import load_awq
 
 
+def test_the_namespace_names_the_int4_numerics_version_the_library_was_built_with(tiny_awq, monkeypatch):
+    """v1 (each weight decoded, one fma chain over K) and v2 (scale and zero once per group) differ in their
+    bits: K/V stored by a process on a library of v1's sources are never served to one on v2's."""
+    assert kernels.available().built
+    assert torch.ops.kvboost.int4_numerics_version() == 2
+    ours = load_awq(tiny_awq["gemma3"][1], residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    kernels.select_isa("avx2" if kernels.available().host_isa != "scalar" else "scalar")
+    try:
+        v2 = namespace(ours)
+        monkeypatch.setattr(kernels, "int4_numerics", lambda: "kvboost-int4-fma-v1")  # as a v1 library says
+        assert namespace(ours) != v2
+    finally:
+        kernels.select_isa(None)
+
+
 def test_the_namespace_follows_the_int4_numerics_of_the_isa_path(tiny_awq):
     status = kernels.available()
     assert status.built, status.reason
