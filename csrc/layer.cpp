@@ -35,8 +35,7 @@ Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int
   TORCH_CHECK(q.device().is_cpu() && q.is_contiguous() && q.scalar_type() == at::kByte && q.dim() == 3 &&
                   q.size(1) == k && q.size(2) == 8,
               "an int4 weight must be a contiguous uint8 [blocks, ", k, ", 8] CPU tensor, got ", q.sizes());
-  TORCH_CHECK(group > 0 && group % 2 == 0 && k % group == 0, "group_size ", group,
-              " must be even and divide in_features ", k);
+  TORCH_CHECK(group > 0 && k % group == 0, "group_size ", group, " must divide in_features ", k);
   const int64_t blocks = q.size(0);
   TORCH_CHECK(side.device().is_cpu() && side.scalar_type() == at::kFloat && side.dim() == 4 && side.size(0) == 2 &&
                   side.size(1) == blocks && side.size(2) == k / group && side.size(3) == 16 && side.stride(3) == 1 &&
