@@ -10,7 +10,10 @@ gives each source's median over rounds and the median and range of the per-round
 (a round's two processes ran back to back, so their ratio is the least disturbed figure).
 
     git archive HEAD csrc | tar -x -C /tmp/base        # the sources to compare against
-    python benchmarks/kernel_sources_ab.py --base /tmp/base/csrc [--new csrc] [--rounds 3]
+    python benchmarks/kernel_sources_ab.py --base /tmp/base/csrc [--new csrc] [--rounds 3] [--head]
+
+``--head`` times the bf16 LM head instead (262k x 640 in nn.Linear's [N, K] layout, as an int4 Gemma's tied head
+runs, two threads; 335 MB, so read from DRAM on every call) at M = 1, 4, 6, 9 and 12 rows, the median of 5 calls.
 
 The activations are bf16, as an AWQ linear gives them: on an avx512_bf16 host they take that path's own
 kernel; set ``KVBOOST_HF_KERNEL_ISA=avx512`` (or avx2) to compare the float32 paths there.
@@ -28,6 +31,26 @@ from pathlib import Path
 
 SHAPES = {"gate+up 4096x640": (4096, 640), "down 640x2048": (640, 2048), "q_proj 1024x640": (1024, 640)}
 ROWS = (1, 9, 256)
+HEAD_ROWS = (1, 4, 6, 9, 12)
+
+
+def head_worker() -> dict:
+    import torch
+
+    from kvboost_hf import kernels
+
+    if not kernels.available().built:
+        raise SystemExit(f"kernels not built: {kernels.available().reason}")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(262144, 640, generator=gen).to(torch.bfloat16)
+    xs = {m: torch.randn(m, 640, generator=gen).to(torch.bfloat16) for m in HEAD_ROWS}
+    times: dict[int, list[float]] = {m: [] for m in HEAD_ROWS}
+    for _ in range(5):
+        for m, x in xs.items():
+            start = time.perf_counter()
+            kernels.linear(x, weight)
+            times[m].append((time.perf_counter() - start) * 1e6)
+    return {f"lm_head 262144x640 M={m} threads={torch.get_num_threads()}": median(t) for m, t in times.items()}
 
 
 def worker() -> dict:
@@ -63,9 +86,10 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
 
 
-def run(csrc: str) -> dict:
+def run(csrc: str, head: bool) -> dict:
     env = dict(os.environ, KVBOOST_HF_CSRC=str(Path(csrc).resolve()))
-    done = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, check=True)
+    command = [sys.executable, __file__, "--worker"] + (["--head"] if head else [])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -74,10 +98,11 @@ def main() -> None:
     parser.add_argument("--base", help="csrc directory of the sources to compare against")
     parser.add_argument("--new", default=str(Path(__file__).resolve().parent.parent / "csrc"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--head", action="store_true", help="time the bf16 LM head instead of the int4 layers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker()))
+        print(json.dumps(head_worker() if args.head else worker()))
         return
     if not args.base:
         parser.error("--base is required")
@@ -85,7 +110,7 @@ def main() -> None:
     order = [("base", args.base), ("new", args.new)]
     for round_ in range(args.rounds):
         for label, csrc in order if round_ % 2 == 0 else order[::-1]:
-            for key, us in run(csrc).items():
+            for key, us in run(csrc, args.head).items():
                 samples[label].setdefault(key, []).append(us)
     print(f"{'shape, rows, threads':40s} {'base us':>10s} {'new us':>10s} {'base/new: median':>17s} {'range':>12s}")
     for key, base in samples["base"].items():

@@ -193,7 +193,7 @@ def _layer_plan(decoder: nn.Module, cache: Cache) -> _Plan | None:
     this runs on every call, after the weights have streamed through the CPU caches (each lookup a cache miss)."""
     config = decoder.config
     form = DECODER_FORMS[type(decoder).__name__]
-    layers = decoder.layers[: config.num_hidden_layers]
+    layers = list(decoder.layers)[: config.num_hidden_layers]  # (a ModuleList slice builds a module: ~0.1 ms)
     if not _keeps_keys_in_order(cache, len(layers)):
         return None
     types = config.layer_types if form.rotary_by_type or form.windows == "types" else None

@@ -288,7 +288,8 @@ def test_row_major_linear_matches_reference_rows_and_paths(dtype, isa_paths):
         close(out, reference(x, weight.float()), x, weight.float())
         alone = torch.cat([kernels.linear(x[i : i + 1], weight) for i in range(40)])
         assert torch.equal(out, alone), isa
-        assert torch.equal(kernels.linear(x[:9], weight), out[:9]), isa
+        for m in range(1, 40):  # every pass size, and passes of several sizes after one another
+            assert torch.equal(kernels.linear(x[:m], weight), out[:m]), (isa, m)
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert torch.equal(kernels.linear(x, weight, bias), outs[0] + bias)
