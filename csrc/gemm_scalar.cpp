@@ -10,6 +10,7 @@ namespace {
 constexpr int64_t kRowTile = KVB_MIN_ROW_TILE;
 constexpr int64_t kNkRowTile = kRowTile;
 constexpr int64_t kNkPairRows = 0;  // one weight row per pass
+constexpr int kNkPrefetchBelow = 6;
 constexpr int kSmallBlocks = 1;
 
 struct V16 {
