@@ -261,9 +261,11 @@ def print_table(result: dict) -> None:
             print(f"{workload}: memory read speed {' -> '.join(f'{b:.1f}' for b in res['bandwidth_gbs'])} GB/s")
         for name, v in res["variants"].items():
             f = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)  # noqa: E731
+            # a re-run variant's speed-up is against the plain runs interleaved with it, not the plain row above
+            rerun = f"  (re-run: plain {v['plain_decode_tok_s']:.2f} tok/s)" if v.get("plain_decode_tok_s") else ""
             print(f"{workload:24} {name:26} {v['decode_tok_s']:7.2f} {v['speedup']:8.2f} {v['ttft_ratio']:7.2f} "
                   f"{f(v['acceptance']):>7} {f(v['tokens_per_round']):>9} {f(v['speculative_round_share']):>10} "
-                  f"{f(v['mean_draft_length'], '{:.1f}'):>6} {v['requests_switched_off']:4d} {res['identical']}")
+                  f"{f(v['mean_draft_length'], '{:.1f}'):>6} {v['requests_switched_off']:4d} {res['identical']}{rerun}")
 
 
 def plot(result: dict, path: Path) -> None:
