@@ -34,13 +34,19 @@ ROWS = (1, 9, 256)
 HEAD_ROWS = (1, 4, 6, 9, 12)
 
 
-def head_worker() -> dict:
-    import torch
-
+def built_kernels():
+    """``kvboost_hf.kernels``, built from ``$KVBOOST_HF_CSRC`` (the worker's sources), or exit saying why not."""
     from kvboost_hf import kernels
 
     if not kernels.available().built:
         raise SystemExit(f"kernels not built: {kernels.available().reason}")
+    return kernels
+
+
+def head_worker() -> dict:
+    import torch
+
+    kernels = built_kernels()
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(262144, 640, generator=gen).to(torch.bfloat16)
     xs = {m: torch.randn(m, 640, generator=gen).to(torch.bfloat16) for m in HEAD_ROWS}
@@ -56,10 +62,7 @@ def head_worker() -> dict:
 def worker() -> dict:
     import torch
 
-    from kvboost_hf import kernels
-
-    if not kernels.available().built:
-        raise SystemExit(f"kernels not built: {kernels.available().reason}")
+    kernels = built_kernels()
     gen = torch.Generator().manual_seed(0)
     out = {}
     for threads in (1, 2):
