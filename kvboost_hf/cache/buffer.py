@@ -168,6 +168,20 @@ def buffered_layer_for(layer, full: type = BufferedLayer, sliding: type = Buffer
     return layer
 
 
+def in_place_layer(layer):
+    """The in-place layer standing in for ``layer``, a transformers dynamic layer that holds nothing yet, with every
+    attribute ``layer`` has (its window, a past recording ``generate`` switched on...); None for a layer of another
+    kind or one that holds states. What a fused int4 decoder swaps into ``generate``'s new ``DynamicCache``
+    (:func:`kvboost_hf.kernels.decoder.fuse_decoder`)."""
+    if layer.is_initialized:
+        return None
+    new = buffered_layer_for(layer)
+    if new is layer:
+        return None
+    new.__dict__.update((name, value) for name, value in vars(layer).items() if name != "buffer")
+    return new
+
+
 class BufferedCache(DynamicCache):
     """A ``DynamicCache`` whose layers append in place (:class:`BufferedLayer`, :class:`BufferedSlidingLayer`):
     the same keys and values, without copying the history at every step. Layers of other kinds (linear attention,

@@ -22,6 +22,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from kvboost_hf.cache.buffer import in_place_layer
 from kvboost_hf.generation.model_class import ReuseGenerateMixin
 from kvboost_hf.kernels.attention import cpu_attention
 from kvboost_hf.kernels.decoder import fuse_decoder
@@ -106,7 +107,7 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
         own_attention(draft, owned)
     if on_cpu and bits == 4:
         fuse_layers(draft)  # int4 layers on kvboost_hf's kernel: two op calls a layer, the same bits
-        fuse_decoder(draft)
+        fuse_decoder(draft, fresh_layer=in_place_layer)  # a plain generate on the draft appends in place too
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
                         + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
     draft.eval()

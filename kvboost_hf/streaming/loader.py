@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kvboost_hf.cache.buffer import in_place_layer
 from kvboost_hf.kernels import KernelLinear
 from kvboost_hf.kernels.decoder import fuse_decoder
 from kvboost_hf.kernels.layer import fuse_layers
@@ -253,7 +254,9 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
         fuse_norms(_text_stack(model), model.dtype, KernelRMSNorm)  # one op call each for HF's 6-8 small ops
         own_attention(model, KernelAttention())  # rows computed alone; bf16 SDPA is slow for a decode row
         fuse_layers(model)  # the same bits in two op calls a layer, where its modules allow
-        fuse_decoder(model)  # and a plain forward's layers in one loop of op calls, without transformers' plumbing
+        # and a plain forward's layers in one loop of op calls, without transformers' plumbing, on a cache that
+        # appends in place (a new DynamicCache's layers swapped at the prefill: no copy of the history a step)
+        fuse_decoder(model, fresh_layer=in_place_layer)
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()
