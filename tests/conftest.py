@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -199,3 +201,21 @@ def redis_url():
     yield url
     proc.terminate()
     proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------- running on two pytest-xdist workers
+# `make test` runs the suite on two workers (pytest -n 2 --dist loadfile): a file's tests stay together (its
+# module fixtures are set up once; every test that starts Ray is in tests/cluster/test_ray_serve.py, so one
+# local Ray application runs at a time). Each worker computes on one torch thread: two workers of two threads
+# each would oversubscribe the two cores CI has.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads for the test (the kernels' column split between threads), whatever the worker's count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)

@@ -1,7 +1,8 @@
-"""``kvboost-hf serve --ray`` on a local Ray with 2 CPUs: the same app as one process (routes, errors,
-auth, streams), exact prefix routing keeps a conversation on the replica that holds it, tenants'
-keys route apart, a replica killed mid-stream gives a clean error and comes back, and stopping
-drains a running stream."""
+"""``kvboost-hf serve --ray`` on a local Ray with 2 CPUs: two replicas of the real Gemma-3-270M keep a chat
+together and reply as one process; on a tiny model, the same app as one process (routes, errors, auth,
+streams), exact prefix routing keeps a conversation on the replica that holds it, tenants' keys route
+apart, a replica killed mid-stream gives a clean error and comes back, and stopping drains a running
+stream. One file: its tests run one Ray application at a time, on one pytest-xdist worker."""
 
 from __future__ import annotations
 
@@ -16,8 +17,48 @@ from starlette.testclient import TestClient
 from kvboost_hf.cli import build_parser
 from kvboost_hf.cluster.metrics import PUSH_PERIOD_S
 from tests.cluster.conftest_ray import kill_replica, ray_server, replicas
-from tests.server.conftest import cycle_words, save_tiny_model
+from tests.server.conftest import cycle_words, save_tiny_model, serve
 
+# ---------------------------------------------------------------- the real Gemma-3-270M: first, before the
+# tiny model's module-scoped application starts (one Ray application at a time)
+TURNS = ["Name three rivers in Europe.", "Which of them is the longest?", "And which country is it in?"]
+
+
+def gemma_chat(post, messages: list[dict]) -> dict:
+    reply = post({"model": "gemma", "messages": messages, "max_tokens": 12, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply
+
+
+def test_two_gemma_replicas_keep_a_chat_together_and_reply_as_one_process(gemma):
+    from kvboost_hf.store import ChunkStore
+
+    replies, served_by, cached = [], [], []
+    with ray_server("--replicas", "2", "--served-model-name", "gemma", "--chunk-size", "32",
+                    "--max-cache-bytes", "400MB") as cluster:
+        messages: list[dict] = []
+        for turn in TURNS:
+            messages.append({"role": "user", "content": turn})
+            reply = gemma_chat(lambda body: httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=300), messages)
+            content = reply.json()["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": content})
+            replies.append(content)
+            served_by.append(reply.headers["x-kvboost-replica"])
+            cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            time.sleep(1.2)  # a routing-stats period: the replica has reported the turn
+    assert len(set(served_by)) == 1, served_by
+    assert all(c > 0 for c in cached[1:]), cached
+    model, tokenizer = gemma
+    with serve(model, tokenizer, ChunkStore(max_bytes=400_000_000, chunk_size=32), model_name="gemma") as local:
+        messages = []
+        for turn, expected in zip(TURNS, replies):
+            messages.append({"role": "user", "content": turn})
+            reply = gemma_chat(lambda body: httpx.post(local.base_url + "/v1/chat/completions", json=body, timeout=300), messages)
+            assert reply.json()["choices"][0]["message"]["content"] == expected
+            messages.append({"role": "assistant", "content": expected})
+
+
+# ---------------------------------------------------------------- a tiny model's application
 KEYS = {"key-alice": {"tenant": "alice"}, "key-bob": {"tenant": "bob"}, "key-admin": {"tenant": "ops", "admin": True}}
 FLAGS = ("--chunk-size", "8", "--max-cache-bytes", "64MB")
 
@@ -158,14 +199,15 @@ def conversation(server, model: str, key: str, topic: int, turns: int) -> list[t
 def test_a_conversation_stays_on_the_replica_that_holds_it(cluster, model_dir):
     for topic in range(4):
         seen = conversation(cluster, str(model_dir), "key-alice", topic, turns=3)
-        replicas = {replica for replica, _ in seen}
-        assert len(replicas) == 1, seen  # every follow-up went where its history is
+        holders = {replica for replica, _ in seen}
+        assert len(holders) == 1, seen  # every follow-up went where its history is
         assert all(cached > 0 for _, cached in seen[1:]), seen
 
 
 def test_another_tenants_prompt_is_routed_without_its_keys(cluster, model_dir):
     """Bob sends alice's exact conversation: the router computes his keys under his root, so it finds no
     holder (no hint of where alice's prefix lives) and the replica serves him nothing of hers."""
+    conversation(cluster, str(model_dir), "key-bob", 42, turns=1)  # bob's template is held, whatever ran before
     fresh = conversation(cluster, str(model_dir), "key-bob", 41, turns=1)  # bob's own template tokens only
     seen = conversation(cluster, str(model_dir), "key-alice", 40, turns=2)
     bob = conversation(cluster, str(model_dir), "key-bob", 40, turns=1)

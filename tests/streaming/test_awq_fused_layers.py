@@ -14,6 +14,8 @@ from kvboost_hf.kernels.layer import KernelLayerMixin, fuse_layers, layer_argume
 from tests.conftest import make_tiny
 from tests.streaming.conftest import STREAM_FAMILIES, load_awq
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the layer ops' column split between threads, as in a real run
+
 LAYER_OP = "kvboost::layer_output"
 
 
