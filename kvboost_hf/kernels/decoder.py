@@ -239,7 +239,7 @@ def _swap_fresh_layers(cache: Cache, fresh: FreshLayer) -> None:
     """Each layer of ``cache`` that ``fresh`` replaces, replaced; only while the cache holds nothing (a check of its
     first layer). (An offloading cache, which moves its layers' tensors itself, needs CUDA: never on this CPU loop.)"""
     layers = cache.layers
-    if layers[0].is_initialized:
+    if not layers or layers[0].is_initialized:
         return
     for i, layer in enumerate(layers):
         new = fresh(layer)

@@ -90,3 +90,29 @@ def test_in_place_layer_takes_only_empty_dynamic_layers():
         pass
 
     assert in_place_layer(OwnLayer()) is None
+
+
+GENERATE_OPTIONS = {
+    "beam search": dict(num_beams=3, do_sample=False),  # reorders the cache every step: a fresh buffer each time
+    "seeded sampling, two sequences": dict(do_sample=True, top_k=20, num_return_sequences=2),
+    "prompt lookup": dict(do_sample=False, prompt_lookup_num_tokens=3),  # crops rejected rows
+    "repetition penalty and a stop length": dict(do_sample=False, repetition_penalty=1.3, min_new_tokens=5),
+}
+
+
+def test_every_generate_option_gives_the_tokens_of_concatenating_layers(tiny_awq, kernels_built, fast_loops):
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(4))
+    for name, options in GENERATE_OPTIONS.items():
+        outputs = []
+        for fused in (True, False):
+            if fused:
+                fuse_decoder(model, fresh_layer=in_place_layer)
+            else:
+                unfuse_decoder(model)
+            torch.manual_seed(7)
+            fast_loops["n"] = 0
+            with torch.no_grad():
+                outputs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, **options))
+            assert (fast_loops["n"] > 0) == fused, name
+        assert torch.equal(*outputs), name
