@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvboost_hf import ChunkStore, disable_chunk_reuse, enable_chunk_reuse
+from tests.conftest import torch_threads
 
 
 @pytest.fixture
@@ -27,7 +27,5 @@ def reuse():
 @pytest.fixture
 def one_thread():
     """One torch thread for tests of many tiny forwards (~10x faster than two on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
