@@ -207,11 +207,12 @@ def test_a_conversation_stays_on_the_replica_that_holds_it(cluster, model_dir):
 def test_another_tenants_prompt_is_routed_without_its_keys(cluster, model_dir):
     """Bob sends alice's exact conversation: the router computes his keys under his root, so it finds no
     holder (no hint of where alice's prefix lives) and the replica serves him nothing of hers."""
-    conversation(cluster, str(model_dir), "key-bob", 42, turns=1)  # bob's template is held, whatever ran before
-    fresh = conversation(cluster, str(model_dir), "key-bob", 41, turns=1)  # bob's own template tokens only
+    # Bob's own first turns on new topics: what he can have cached is his template's tokens (a count that depends on
+    # the replica each turn lands on and what ran before, so the bound is the most either of two such turns got).
+    own = [conversation(cluster, str(model_dir), "key-bob", topic, turns=1)[0][1] for topic in (42, 41)]
     seen = conversation(cluster, str(model_dir), "key-alice", 40, turns=2)
     bob = conversation(cluster, str(model_dir), "key-bob", 40, turns=1)
-    assert bob[0][1] == fresh[0][1] < seen[1][1]
+    assert bob[0][1] <= max(own) < seen[1][1], (own, seen, bob)  # none of alice's 24 words or her history
 
 
 def test_a_replica_killed_mid_stream_ends_the_stream_cleanly_and_comes_back(cluster, model_dir):
