@@ -7,7 +7,9 @@ cached by the sources' hash), ``--rounds`` times, in the order base, new, then n
 drift of the host's speed falls on both); each process times Gemma-3-270M's int4 layer shapes
 (group 128, weights hot in cache) at M = 1, 9 and 256 rows, the minimum of 7 batches. The report
 gives each source's median over rounds and the median and range of the per-round ratios base / new
-(a round's two processes ran back to back, so their ratio is the least disturbed figure).
+(a round's two processes ran back to back, so their ratio is the least disturbed figure). Where the host moves
+more between two processes than a change is worth (a shared 2-vCPU VM: rounds spread 0.6-2.0 on 2026-11-29),
+``benchmarks/kernel_ab_inprocess.py`` alternates the two trees call by call in one process instead.
 
     git archive HEAD csrc | tar -x -C /tmp/base        # the sources to compare against
     python benchmarks/kernel_sources_ab.py --base /tmp/base/csrc [--new csrc] [--rounds 3] [--head]
