@@ -92,7 +92,6 @@ def gemma():
     """The real embedded Gemma-3-270M and its tokenizer, loaded once."""
     from kvboost_hf.models import load_default_model
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model, tokenizer = load_default_model()
     return model, tokenizer
 

@@ -11,6 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvboost_hf import kernels
 from kvboost_hf.kernels import ops
 from kvboost_hf.kernels.attention import KernelAttention
+from tests.conftest import torch_threads
 
 
 def tensors(batch, heads, kv_heads, rows, keys, dim, dtype=torch.float32, seed=0):
@@ -128,15 +129,11 @@ def test_strided_queries_and_thread_counts_never_change_a_bit(built):
     q, k, v = tensors(1, 4, 1, 9, 300, 256, dtype=torch.bfloat16, seed=2)
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # transformers' [B, H, M, D] view of [B, M, H, D]
     assert not strided.is_contiguous()
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
+    outs = []
+    for n in (1, 2, 3):
+        with torch_threads(n):
             outs += [ops.attention(q, k, v, scale=0.0625, causal=True),
                      ops.attention(strided, k, v, scale=0.0625, causal=True)]
-    finally:
-        torch.set_num_threads(threads)
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kvboost_hf import kernels
 from kvboost_hf.kernels import pack_dense, pack_int4, pack_int8, unpack_int4
+from tests.conftest import torch_threads
 
 # (out_features, in_features, group): odd column counts pad the last block; K from one group up.
 INT4_SHAPES = [(16, 32, 32), (40, 64, 32), (100, 256, 64), (48, 384, 128), (17, 128, 128), (2048, 640, 128)]
@@ -197,14 +198,10 @@ def test_thread_count_never_changes_a_bit(kind, built):
             linear = rows_kernel(kind, k=640, n=n)
         for m in (1, 9, 20):
             x = torch.randn(m, 640, generator=gen)
-            threads = torch.get_num_threads()
-            try:
-                outs = []
-                for t in (1, 2, 3, 7):
-                    torch.set_num_threads(t)
+            outs = []
+            for t in (1, 2, 3, 7):
+                with torch_threads(t):
                     outs.append(linear(x))
-            finally:
-                torch.set_num_threads(threads)
             assert all(torch.equal(o, outs[0]) for o in outs), (kind, n, m)
 
 
@@ -364,12 +361,8 @@ def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built
             for m in (*range(1, 14), 17, 64):
                 assert torch.equal(kernels.int4_linear(x[:m], blocks), out[:m]), (vbmi, m)
         kernels.set_vbmi(True)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             assert torch.equal(kernels.int4_linear(x, blocks), out)
-        finally:
-            torch.set_num_threads(threads)
         # float32 activations keep the float32 paths' bits on this level
         xf = x.float()
         fp32 = kernels.int4_linear(xf, blocks)

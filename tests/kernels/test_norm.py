@@ -10,7 +10,7 @@ from kvboost_hf import kernels
 from kvboost_hf.kernels import ops
 from kvboost_hf.kernels.norm import KernelRMSNorm, cpu_norm
 from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny, torch_threads
 
 
 def reference(x, scale, eps):
@@ -38,16 +38,12 @@ def test_a_row_does_not_depend_on_rows_threads_or_layout(built):
     x = torch.randn(64, 640, generator=gen).to(torch.bfloat16)
     scale = torch.rand(640, generator=gen) + 0.5
     alone = torch.cat([ops.rms_norm(x[i : i + 1], scale, 1e-6) for i in range(64)])
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2, 4):
-            torch.set_num_threads(n)
+    for n in (1, 2, 4):
+        with torch_threads(n):
             assert torch.equal(ops.rms_norm(x, scale, 1e-6), alone)
             assert torch.equal(ops.rms_norm(x.view(8, 8, 640), scale, 1e-6).view(64, 640), alone)
             strided = x.t().contiguous().t()  # not contiguous: copied, same bits
             assert torch.equal(ops.rms_norm(strided, scale, 1e-6), alone)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_bad_inputs_say_what_to_change(built):

@@ -8,7 +8,7 @@ from torch import nn
 
 from kvboost_hf import make_draft
 from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms, fused_equivalent
-from tests.conftest import FAMILIES, make_tiny
+from tests.conftest import FAMILIES, make_tiny, torch_threads
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -72,16 +72,12 @@ def test_drafts_use_it_and_the_target_keeps_its_own():
 def test_a_row_is_the_same_whatever_rows_and_threads_compute_with_it(width):
     norm = FusedRMSNorm(torch.rand(width) + 0.5, 1e-6)
     x = (torch.randn(256, width, generator=torch.Generator().manual_seed(width)) * 3).to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 4):
-            torch.set_num_threads(n)
+    for n in (1, 4):
+        with torch_threads(n):
             full = norm(x)
             for rows in (1, 9, 256):
                 assert torch.equal(norm(x[:rows]), full[:rows]), (n, rows)
             assert torch.equal(norm(x[100:101]), full[100:101])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_the_scale_stays_float32_when_the_model_changes_dtype():

@@ -11,7 +11,7 @@ from kvboost_hf.models import attention
 from kvboost_hf.speculative.exact_rows import needs_exact_rows, route_rows, verifying
 from kvboost_hf.streaming import StreamingAWQConfig
 from kvboost_hf.streaming.pack import pack_model
-from tests.conftest import SLIDING_WINDOW, make_tiny, random_ids
+from tests.conftest import SLIDING_WINDOW, make_tiny, random_ids, torch_threads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -221,10 +221,5 @@ def test_verified_rows_equal_decode_steps_with_wide_heads_and_threads(tmp_path):
         tmp_path / "ckpt", quantization_config=StreamingAWQConfig(residency_mode="full_resident"),
         dtype=torch.bfloat16).eval()
     ids = random_ids(40, 8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.no_grad():
-            assert torch.equal(_verify_hidden(target, ids, 31), _decode_hidden(target, ids, 31))
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(2), torch.no_grad():
+        assert torch.equal(_verify_hidden(target, ids, 31), _decode_hidden(target, ids, 31))
