@@ -184,22 +184,9 @@ int main(int argc, char** argv) {
                   const float* d = dx.data() + r0 * g;
                   const int32_t* xsr = xsum.data() + r0 * g;
                   float* o = out.data() + r0 * w.n + 8 * b;
-                  switch (rows) {
-                    case 1:
-                      tile_i8<1>(xr, w.k, w.k, qb, sb, zb, group, d, xsr, o, w.n);
-                      break;
-                    case 2:
-                      tile_i8<2>(xr, w.k, w.k, qb, sb, zb, group, d, xsr, o, w.n);
-                      break;
-                    case 3:
-                      tile_i8<3>(xr, w.k, w.k, qb, sb, zb, group, d, xsr, o, w.n);
-                      break;
-                    case 4:
-                      tile_i8<4>(xr, w.k, w.k, qb, sb, zb, group, d, xsr, o, w.n);
-                      break;
-                    default:
-                      tile_i8<5>(xr, w.k, w.k, qb, sb, zb, group, d, xsr, o, w.n);
-                  }
+#define I8_CALL(R) tile_i8<R>(xr, w.k, w.k, qb, sb, zb, group, d, xsr, o, w.n)
+                  KVB_TILE_SWITCH(rows, I8_CALL)  // (its cases above 5 never come: rows <= 5)
+#undef I8_CALL
                 }
               }
             });
