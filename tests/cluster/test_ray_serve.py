@@ -24,8 +24,9 @@ from tests.server.conftest import cycle_words, save_tiny_model, serve
 TURNS = ["Name three rivers in Europe.", "Which of them is the longest?", "And which country is it in?"]
 
 
-def gemma_chat(post, messages: list[dict]) -> dict:
-    reply = post({"model": "gemma", "messages": messages, "max_tokens": 12, "temperature": 0})
+def gemma_chat(base_url: str, messages: list[dict]) -> httpx.Response:
+    body = {"model": "gemma", "messages": messages, "max_tokens": 12, "temperature": 0}
+    reply = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=300)
     assert reply.status_code == 200, reply.text
     return reply
 
@@ -39,7 +40,7 @@ def test_two_gemma_replicas_keep_a_chat_together_and_reply_as_one_process(gemma)
         messages: list[dict] = []
         for turn in TURNS:
             messages.append({"role": "user", "content": turn})
-            reply = gemma_chat(lambda body: httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=300), messages)
+            reply = gemma_chat(cluster.url, messages)
             content = reply.json()["choices"][0]["message"]["content"]
             messages.append({"role": "assistant", "content": content})
             replies.append(content)
@@ -53,7 +54,7 @@ def test_two_gemma_replicas_keep_a_chat_together_and_reply_as_one_process(gemma)
         messages = []
         for turn, expected in zip(TURNS, replies):
             messages.append({"role": "user", "content": turn})
-            reply = gemma_chat(lambda body: httpx.post(local.base_url + "/v1/chat/completions", json=body, timeout=300), messages)
+            reply = gemma_chat(local.base_url, messages)
             assert reply.json()["choices"][0]["message"]["content"] == expected
             messages.append({"role": "assistant", "content": expected})
 
