@@ -244,6 +244,51 @@ at::Tensor layer_output(const at::Tensor& residual, const at::Tensor& attn, at::
   return elementwise(h, ffn, false);
 }
 
+c10::List<std::optional<at::Tensor>> sublist(const c10::List<std::optional<at::Tensor>>& list, size_t first,
+                                             size_t count) {
+  c10::List<std::optional<at::Tensor>> out;
+  out.reserve(count);
+  for (size_t i = first; i < first + count; ++i) out.push_back(list.get(i));
+  return out;
+}
+
+// A whole decoder layer over a cache layer's buffers, in one call where a decode step made four (the two ops above,
+// the cache's update, attention): layer_attention_inputs, the new keys and values written at [end, end + rows) of
+// key_buffer and value_buffer ([B, Hkv, capacity, D], the cache's own), causal attention over [first, end + rows)
+// of them, layer_output. The same functions in the same order as those calls: the same bits. The seven projections
+// are q, k, v, o, gate, up, down; norms are the input, post-attention (or None), feed-forward and post-feed-forward
+// (or None) ones. Returns the layer's output and the new keys and values (for a cache that also keeps them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_step(
+    const at::Tensor& hidden, at::TensorList qweights, at::TensorList sides, at::IntArrayRef outs,
+    at::IntArrayRef groups, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& input_norm,
+    const std::optional<at::Tensor>& post_attention_norm, const at::Tensor& ffn_norm,
+    const std::optional<at::Tensor>& post_ffn_norm, double eps, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double head_eps, const at::Tensor& cos, const at::Tensor& sin,
+    int64_t head_dim, c10::string_view activation, const at::Tensor& key_buffer, const at::Tensor& value_buffer,
+    int64_t first, int64_t end, double scale, int64_t window) {
+  check_lists(qweights, sides, outs, groups, biases, 7);
+  auto [q, k, v] = layer_attention_inputs(hidden, input_norm, eps, qweights.slice(0, 3), sides.slice(0, 3),
+                                          outs.slice(0, 3), groups.slice(0, 3), sublist(biases, 0, 3), q_norm, k_norm,
+                                          head_eps, cos, sin, head_dim);
+  const int64_t rows = k.size(2);
+  TORCH_CHECK(key_buffer.device().is_cpu() && key_buffer.dim() == 4 && key_buffer.scalar_type() == k.scalar_type() &&
+                  key_buffer.size(0) == k.size(0) && key_buffer.size(1) == k.size(1) &&
+                  key_buffer.size(3) == k.size(3) && value_buffer.sizes() == key_buffer.sizes() &&
+                  value_buffer.scalar_type() == key_buffer.scalar_type() && value_buffer.device().is_cpu(),
+              "key and value buffers must be ", k.scalar_type(), " CPU tensors [", k.size(0), ", ", k.size(1),
+              ", capacity, ", k.size(3), "] alike, got ", key_buffer.sizes(), " and ", value_buffer.sizes());
+  TORCH_CHECK(0 <= first && first <= end && end + rows <= key_buffer.size(2), "the live keys [", first, ", ",
+              end + rows, ") must lie in the buffers' ", key_buffer.size(2), " positions");
+  key_buffer.narrow(2, end, rows).copy_(k);
+  value_buffer.narrow(2, end, rows).copy_(v);
+  const at::Tensor out = kvb_causal_attention(q, key_buffer.narrow(2, first, end + rows - first),
+                                              value_buffer.narrow(2, first, end + rows - first), scale, window);
+  at::Tensor next = layer_output(hidden, out, qweights.slice(3, 4), sides.slice(3, 4), outs.slice(3, 4),
+                                 groups.slice(3, 4), sublist(biases, 3, 4), post_attention_norm, ffn_norm,
+                                 post_ffn_norm, eps, activation);
+  return {next, k, v};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvboost, m) {
@@ -255,9 +300,16 @@ TORCH_LIBRARY_FRAGMENT(kvboost, m) {
       "layer_output(Tensor residual, Tensor attn, Tensor[] qweights, Tensor[] sides, int[] outs, int[] groups, "
       "Tensor?[] biases, Tensor? post_attention_norm, Tensor ffn_norm, Tensor? post_ffn_norm, float eps, "
       "str activation) -> Tensor");
+  m.def(
+      "layer_step(Tensor hidden, Tensor[] qweights, Tensor[] sides, int[] outs, int[] groups, Tensor?[] biases, "
+      "Tensor input_norm, Tensor? post_attention_norm, Tensor ffn_norm, Tensor? post_ffn_norm, float eps, "
+      "Tensor? q_norm, Tensor? k_norm, float head_eps, Tensor cos, Tensor sin, int head_dim, str activation, "
+      "Tensor(a!) key_buffer, Tensor(b!) value_buffer, int first, int end, float scale, int window) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
   m.impl("layer_attention_inputs", &layer_attention_inputs);
   m.impl("layer_output", &layer_output);
+  m.impl("layer_step", &layer_step);
 }

@@ -385,6 +385,11 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
 
 at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) { return rms_norm(x, scale, eps); }
 
+at::Tensor kvb_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
+                                int64_t window) {
+  return attention(query, key, value, std::nullopt, scale, true, window);
+}
+
 TORCH_LIBRARY(kvboost, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
@@ -411,6 +416,6 @@ TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
 // Inference-only ops: a backward through them raises ("... is not implemented"), rather than leaving gradients
 // silently None. In C++: a Python autograd registration cost ~4.5 us on every call, grad or not.
 TORCH_LIBRARY_IMPL(kvboost, Autograd, m) {
-  for (const char* name : {"attention", "rms_norm", "layer_attention_inputs", "layer_output"})
+  for (const char* name : {"attention", "rms_norm", "layer_attention_inputs", "layer_output", "layer_step"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
 }

@@ -58,6 +58,19 @@ class KVBuffer:
             self.start = max(self.start, self.end - count)
         return self.live()
 
+    def room(self, keys, values, shape: tuple, dtype: torch.dtype) -> bool:
+        """Whether new CPU states of ``shape`` ``[batch, heads, rows, head_dim]`` and ``dtype`` (keys and values
+        alike) can be written into the buffers at ``end`` as :meth:`append` would write them, without a refill."""
+        return (self.held is not None and keys is self.held[0] and values is self.held[1]
+                and self.end + shape[2] <= self.keys.shape[-2] and self.keys.device.type == "cpu"
+                and _fits_shape(self.keys, shape, dtype) and _fits_shape(self.values, shape, dtype)
+                and not (self.keys.is_inference() and not torch.is_inference_mode_enabled()))
+
+    def written(self, rows: int) -> None:
+        """``rows`` new states were written at ``end`` (where :meth:`room` said they fit); :meth:`live` or
+        :meth:`keep_last` then hands out the views."""
+        self.end += rows
+
     def _extends(self, keys, values, new_keys: torch.Tensor, new_values: torch.Tensor) -> bool:
         return (self.held is not None and keys is self.held[0] and values is self.held[1]
                 and self.end + new_keys.shape[-2] <= self.keys.shape[-2]
@@ -106,6 +119,11 @@ def _fits(buffer: torch.Tensor, new: torch.Tensor) -> bool:
             and buffer.shape[-1] == new.shape[-1])
 
 
+def _fits_shape(buffer: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
+    return buffer.dtype == dtype and buffer.shape[0] == shape[0] and buffer.shape[1] == shape[1] and (
+        buffer.shape[-1] == shape[-1])
+
+
 class BufferedLayer(DynamicLayer):
     """``DynamicLayer`` that appends a forward's new states in place instead of concatenating."""
 
@@ -120,6 +138,20 @@ class BufferedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         self.keys, self.values = self.buffer.append(self.keys, self.values, key_states, value_states)
         return self.keys, self.values
+
+    def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
+        """Where a fused int4 decoder may write a forward's new states itself (``kernels.decoder``'s in-place
+        protocol): ``(key buffer, value buffer, first key update() would return, position of the new rows)``, or None
+        where update() must take them (nothing held yet, no room left, another dtype or shape)."""
+        buffer = self.buffer
+        if not self.is_initialized or not buffer.room(self.keys, self.values, shape, dtype):
+            return None
+        return buffer.keys, buffer.values, buffer.start, buffer.end
+
+    def kvboost_commit(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The new states were written where :meth:`kvboost_reserve` said: the layer as update() leaves it."""
+        self.buffer.written(key_states.shape[-2])
+        self.keys, self.values = self.buffer.live()
 
     def reset(self) -> None:
         super().reset()
@@ -152,6 +184,22 @@ class BufferedSlidingLayer(DynamicSlidingWindowLayer):
         self.keys, self.values = keys, values
         visible = self.sliding_window - 1 + key_states.shape[-2]
         return keys[:, :, -visible:, :], values[:, :, -visible:, :]
+
+    def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
+        """As :meth:`BufferedLayer.kvboost_reserve`; the first key is the first update() returns (recording the past:
+        the window before the new rows)."""
+        buffer = self.buffer
+        if not self.is_initialized or not buffer.room(self.keys, self.values, shape, dtype):
+            return None
+        first = max(buffer.start, buffer.end - (self.sliding_window - 1)) if self.record_past else buffer.start
+        return buffer.keys, buffer.values, first, buffer.end
+
+    def kvboost_commit(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """As :meth:`BufferedLayer.kvboost_commit`: the layer as update() leaves it."""
+        self.cumulative_length += key_states.shape[-2]
+        self.buffer.written(key_states.shape[-2])
+        buffer = self.buffer
+        self.keys, self.values = buffer.live() if self.record_past else buffer.keep_last(self.sliding_window - 1)
 
     def reset(self) -> None:
         super().reset()

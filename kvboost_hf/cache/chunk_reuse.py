@@ -92,6 +92,13 @@ class ReuseLayer(BufferedLayer):
         self.flush()
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
+        """:meth:`BufferedLayer.kvboost_reserve` after what update() does first (the queued K/V joined)."""
+        self.flush()
+        return BufferedLayer.kvboost_reserve(self, shape, dtype)
+
+    kvboost_commit = BufferedLayer.kvboost_commit
+
     def get_seq_length(self) -> int:
         return super().get_seq_length() + sum(k.shape[-2] for k, _ in self.pending)
 
@@ -161,6 +168,18 @@ class ReuseSlidingLayer(BufferedSlidingLayer):
             self.history.append((key_states, value_states))
             self.history_length += key_states.shape[-2]
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
+        """:meth:`BufferedSlidingLayer.kvboost_reserve` after what update() does first (the queued K/V joined)."""
+        self.flush()
+        return BufferedSlidingLayer.kvboost_reserve(self, shape, dtype)
+
+    def kvboost_commit(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """As update(): the new states also kept for storing, then the layer as the buffer leaves it."""
+        if self.capture:
+            self.history.append((key_states, value_states))
+            self.history_length += key_states.shape[-2]
+        BufferedSlidingLayer.kvboost_commit(self, key_states, value_states)
 
     def crop(self, tokens_to_remove: int) -> None:
         if not self.is_initialized and not self.pending:
@@ -237,6 +256,11 @@ class ChunkReuseCache(DynamicCache):
         if self.request is None and layer_idx == 0:
             _warn_unmanaged()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def kvboost_updates_layers_only(self) -> bool:
+        """Whether update() now adds nothing to its layers' updates (``kernels.decoder``'s in-place protocol): once
+        a request manages the cache (else it warns), off-loading aside."""
+        return self.request is not None and not self.offloading
 
     # ------------------------------------------------------------------ state
     @property

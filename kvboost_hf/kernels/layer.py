@@ -87,12 +87,12 @@ def _hooked(module: nn.Module) -> bool:
 def _instance_forward(module: nn.Module) -> bool:
     """Whether the instance has a ``forward`` of its own other than its class's, bound to it (what accelerate's
     ``remove_hook_from_module`` leaves behind)."""
-    f = module.__dict__.get("forward", _ABSENT)
-    return f is not _ABSENT and not (isinstance(f, types.MethodType) and f.__self__ is module
+    f = module.__dict__.get("forward", ABSENT)
+    return f is not ABSENT and not (isinstance(f, types.MethodType) and f.__self__ is module
                                      and f.__func__ is getattr(type(module), "forward", None))
 
 
-_ABSENT = object()  # a key not in a dict (None may be a value: a bias registered as None, forward = None)
+ABSENT = object()  # a key not in a dict (None may be a value: a bias registered as None, forward = None)
 
 
 def _int4(module: nn.Module | None):
@@ -147,6 +147,13 @@ class LayerArguments:
         """``torch.ops.kvboost.layer_output``'s arguments for the layer's input ``residual`` and attention output."""
         return (residual, attn, self.qweights[3:], self.sides[3:], self.outs[3:], self.groups[3:], self.biases[3:],
                 self.norms[1], self.norms[2], self.norms[3], self.eps, self.activation)
+
+    def step(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple:
+        """``torch.ops.kvboost.layer_step``'s arguments up to the cache's buffers (which follow, with the live
+        keys' first position, the new rows' position, the attention's scale and window)."""
+        q_norm, k_norm, head_eps = self.head_norms or (None, None, 0.0)
+        return (hidden, self.qweights, self.sides, self.outs, self.groups, self.biases, *self.norms, self.eps, q_norm,
+                k_norm, head_eps, cos, sin, head_dim, self.activation)
 
 
 def layer_arguments(layer: nn.Module) -> LayerArguments | None:
@@ -242,14 +249,14 @@ _DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
-class _Cached:
+class ArgumentSources:
     """What :func:`layer_arguments` read, as parallel tuples that the check walks in C (``map``), not in Python."""
 
     modules: tuple  # the layer's, attention's and MLP's children
     types: tuple  # their classes (a class assigned in place changes what a module computes)
     dicts: tuple  # where each slot was read: a module's _buffers, _parameters or __dict__ (each a dict)
     keys: tuple
-    values: tuple  # their tensors, plain attributes and hook dicts, or _ABSENT (no forward set on the instance)
+    values: tuple  # their tensors, plain attributes and hook dicts, or ABSENT (no forward set on the instance)
     hooks: tuple  # the modules' hook dicts, which must stay empty (attention's forward hooks: capture_hooks)
     capture_hooks: dict  # the attention module's forward hooks (output capture may stay installed)
     arguments: LayerArguments | None
@@ -270,7 +277,7 @@ def cached_arguments(layer: nn.Module) -> LayerArguments | None:
     cached = layer.__dict__.get(ARGUMENTS_ATTR)
     if (cached is not None and len(cached.modules) == len(modules) and all(map(operator.is_, cached.modules, modules))
             and all(map(operator.is_, map(type, modules), cached.types))
-            and all(map(operator.is_, map(dict.get, cached.dicts, cached.keys, repeat(_ABSENT)), cached.values))):
+            and all(map(operator.is_, map(dict.get, cached.dicts, cached.keys, repeat(ABSENT)), cached.values))):
         # the same hook dicts as when read (checked just above): hooks added since are in them
         return None if any(cached.hooks) or cached.capture_hooks and not _capture_only(attn, attn) else cached.arguments
     if any(m is None or _hooked(m) and not _capture_only(m, attn) for m in modules):
@@ -284,18 +291,25 @@ def cached_arguments(layer: nn.Module) -> LayerArguments | None:
     return cached.arguments
 
 
-def _read(layer: nn.Module, modules: tuple, attn: nn.Module) -> _Cached | None:
+def remembered_sources(layer: nn.Module) -> ArgumentSources | None:
+    """What :func:`cached_arguments` last read ``layer``'s arguments from, or None where it remembers nothing (never
+    called, or the modules hold their tensors in mappings it cannot check). Valid as long as every slot still holds
+    its value, every module its class, and every hook dict stays empty (the attention's output capture aside)."""
+    return layer.__dict__.get(ARGUMENTS_ATTR)
+
+
+def _read(layer: nn.Module, modules: tuple, attn: nn.Module) -> ArgumentSources | None:
     """:func:`layer_arguments` of ``layer``, whose ``modules`` have no hooks now, with what it was read from
     (None where that cannot be checked with ``dict.get``)."""
     slots = [(d, k, v) for m in modules for d in (m._buffers, m._parameters) for k, v in d.items()]
     slots += [(m.__dict__, k, m.__dict__[k]) for m in modules for k in _READ_ATTRIBUTES if k in m.__dict__]
-    slots += [(m.__dict__, k, m.__dict__.get(k, _ABSENT)) for m in modules for k in _HOOK_ATTRIBUTES]
+    slots += [(m.__dict__, k, m.__dict__.get(k, ABSENT)) for m in modules for k in _HOOK_ATTRIBUTES]
     if not all(type(d).get is dict.get for d, _, _ in slots):
         return None
     hooks = [m.__dict__.get(k) for m in modules for k in _HOOK_DICTS if not (m is attn and k == "_forward_hooks")]
     dicts, keys, values = zip(*slots)
     capture = attn.__dict__.get("_forward_hooks")
-    return _Cached(modules, tuple(map(type, modules)), dicts, keys, values, tuple(hooks), capture,
+    return ArgumentSources(modules, tuple(map(type, modules)), dicts, keys, values, tuple(hooks), capture,
                    layer_arguments(layer))
 
 
@@ -323,7 +337,7 @@ def capture_hooks_only(module: nn.Module) -> bool:
         getattr(hook, "__module__", None) == CAPTURE_HOOKS for hook in module._forward_hooks.values())
 
 
-ARGUMENTS_ATTR = "_kvboost_layer_arguments"  # where a fused layer keeps its _Cached (not copied with it)
+ARGUMENTS_ATTR = "_kvboost_layer_arguments"  # where a fused layer keeps its ArgumentSources (not copied with it)
 
 
 @functools.cache

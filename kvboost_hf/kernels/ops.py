@@ -174,3 +174,11 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::layer_output")(
         lambda residual, attn, *args: residual.new_empty(residual.shape))
 
+
+    def layer_step(hidden, qweights, sides, outs, groups, biases, *args):
+        batch, rows = hidden.shape[:2]
+        head_dim = args[10]
+        kv = hidden.new_empty((batch, outs[1] // head_dim, rows, head_dim))
+        return hidden.new_empty(hidden.shape), kv, torch.empty_like(kv)
+
+    torch.library.register_fake("kvboost::layer_step")(layer_step)

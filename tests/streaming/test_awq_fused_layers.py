@@ -16,7 +16,7 @@ from tests.streaming.conftest import STREAM_FAMILIES, load_awq
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the layer ops' column split between threads, as in a real run
 
-LAYER_OP = "kvboost::layer_output"
+LAYER_OPS = ("kvboost::layer_output", "kvboost::layer_step")  # a layer calls one of them once
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def layer_op_calls(fn):
     """``(fn(), how many times the fused layer op ran)``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         result = fn()
-    return result, sum(1 for event in prof.events() if event.name == LAYER_OP)
+    return result, sum(1 for event in prof.events() if event.name in LAYER_OPS)
 
 
 @torch.no_grad()
@@ -254,8 +254,11 @@ def test_the_layer_ops_pass_torchs_custom_op_checks(tiny_awq, kernels_built):
     cos = torch.randn(1, 3, head_dim, generator=gen).to(torch.bfloat16)
     attn = torch.randn(2, 3, a.outs[0] // head_dim, head_dim, generator=gen).to(torch.bfloat16)
     inputs, output = a.inputs(hidden, cos, cos, head_dim), a.output(hidden, attn)
+    buffers = torch.randn(2, 2, a.outs[1] // head_dim, 8, head_dim, generator=gen).to(torch.bfloat16)
+    step = (*a.step(hidden, cos, cos, head_dim), buffers[0], buffers[1], 1, 4, 0.25, 4)  # writes rows 4..6
     for op, args in ((torch.ops.kvboost.layer_attention_inputs.default, inputs),
-                     (torch.ops.kvboost.layer_output.default, output)):
+                     (torch.ops.kvboost.layer_output.default, output),
+                     (torch.ops.kvboost.layer_step.default, step)):
         assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
 
 
