@@ -127,7 +127,7 @@ def _fits_shape(buffer: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
 class BufferedLayer(DynamicLayer):
     """``DynamicLayer`` that appends a forward's new states in place instead of concatenating."""
 
-    kvboost_keys_in_order = True  # update() returns every key in order (kernels.decoder.KEYS_IN_ORDER)
+    kvboost_keys_in_order = True  # update() returns every key in order (kernels.plan.KEYS_IN_ORDER)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -65,7 +65,7 @@ class ReuseLayer(BufferedLayer):
     forward's new states are appended in place (:class:`~kvboost_hf.cache.buffer.BufferedLayer`).
     """
 
-    kvboost_keys_in_order = True  # update() returns every key in order (kernels.decoder.KEYS_IN_ORDER)
+    kvboost_keys_in_order = True  # update() returns every key in order (kernels.plan.KEYS_IN_ORDER)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from kvboost_hf.kernels.decoder import plan_held
+from kvboost_hf.kernels.plan import plan_held
 from kvboost_hf.models import attention
 from kvboost_hf.speculative.exact_rows import route_rows
 from kvboost_hf.speculative.head import DraftHead

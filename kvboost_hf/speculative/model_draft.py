@@ -15,7 +15,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from kvboost_hf.cache import ChunkReuseCache
-from kvboost_hf.kernels.decoder import plan_held
+from kvboost_hf.kernels.plan import plan_held
 from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.reuse import commit_request, reuse_state

@@ -14,6 +14,7 @@ from transformers import DynamicCache, StaticCache
 from kvboost_hf import kernels
 from kvboost_hf.cache import BufferedCache, KIVICache
 from kvboost_hf.kernels import decoder as fused_decoder
+from kvboost_hf.kernels import plan
 from kvboost_hf.kernels.decoder import KernelDecoderMixin, fuse_decoder, unfuse_decoder
 from kvboost_hf.models import attention
 from kvboost_hf.speculative.exact_rows import route_rows
@@ -221,7 +222,7 @@ def test_a_copy_is_the_decoders_own_class(tiny_awq, kernels_built):
 def counted_plans(monkeypatch) -> dict:
     """How many times the fused decoder checked its plan (``checks``) and read a layer's arguments (``reads``)."""
     counts = {"checks": 0, "reads": 0}
-    check, read = fused_decoder._checked_plan, fused_decoder.cached_arguments
+    check, read = plan.checked_plan, plan.cached_arguments
 
     def checked(*args):
         counts["checks"] += 1
@@ -231,14 +232,14 @@ def counted_plans(monkeypatch) -> dict:
         counts["reads"] += 1
         return read(layer)
 
-    monkeypatch.setattr(fused_decoder, "_checked_plan", checked)
-    monkeypatch.setattr(fused_decoder, "cached_arguments", cached)
+    monkeypatch.setattr(plan, "checked_plan", checked)
+    monkeypatch.setattr(plan, "cached_arguments", cached)
     return counts
 
 
 def test_a_held_plan_checks_the_layers_once_and_each_call_still_is_checked(tiny_awq, kernels_built, fast_loops,
                                                                             monkeypatch):
-    from kvboost_hf.kernels.decoder import plan_held
+    from kvboost_hf.kernels.plan import plan_held
 
     model = awq_model("gemma3", tiny_awq, None)
     counts = counted_plans(monkeypatch)

@@ -14,7 +14,7 @@ from kvboost_hf.cache import BufferedCache, buffer
 from kvboost_hf.cache.buffer import BufferedLayer
 from kvboost_hf.cache.chunk_reuse import ChunkReuseCache, ReuseRequest
 from kvboost_hf.kernels import decoder as fused_decoder
-from kvboost_hf.kernels.decoder import KEYS_IN_ORDER
+from kvboost_hf.kernels.plan import KEYS_IN_ORDER
 from kvboost_hf.kernels.layer import layer_arguments
 from tests.streaming.test_awq_fused_decoder import awq_model, fast_loops, kernels_built  # noqa: F401 - fixtures
 
