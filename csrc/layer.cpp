@@ -244,6 +244,20 @@ at::Tensor layer_output(const at::Tensor& residual, const at::Tensor& attn, at::
   return elementwise(h, ffn, false);
 }
 
+// Whether the address ranges a and b span intersect (conservative: two interleaved views of one buffer count).
+bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.storage().is_alias_of(b.storage()) || a.numel() == 0 || b.numel() == 0) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto* first = static_cast<const char*>(t.data_ptr());
+    return std::make_pair(first, first + (last + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
 c10::List<std::optional<at::Tensor>> sublist(const c10::List<std::optional<at::Tensor>>& list, size_t first,
                                              size_t count) {
   c10::List<std::optional<at::Tensor>> out;
@@ -267,6 +281,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_step(
     int64_t head_dim, c10::string_view activation, const at::Tensor& key_buffer, const at::Tensor& value_buffer,
     int64_t first, int64_t end, double scale, int64_t window) {
   check_lists(qweights, sides, outs, groups, biases, 7);
+  TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
+  TORCH_CHECK(!key_buffer.is_inference() || c10::InferenceMode::is_enabled(),
+              "the key and value buffers were made under inference mode: they cannot be written outside it");
+  TORCH_CHECK(!spans_overlap(key_buffer, value_buffer),
+              "the key and value buffers must not share memory: each write would land in the other's rows");
   auto [q, k, v] = layer_attention_inputs(hidden, input_norm, eps, qweights.slice(0, 3), sides.slice(0, 3),
                                           outs.slice(0, 3), groups.slice(0, 3), sublist(biases, 0, 3), q_norm, k_norm,
                                           head_eps, cos, sin, head_dim);
@@ -281,6 +300,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_step(
               end + rows, ") must lie in the buffers' ", key_buffer.size(2), " positions");
   key_buffer.narrow(2, end, rows).copy_(k);
   value_buffer.narrow(2, end, rows).copy_(v);
+  // written below autograd (the op's Autograd kernel is the not-implemented fallback): the version counters move
+  // here, as a Python write's do
+  key_buffer.unsafeGetTensorImpl()->bump_version();
+  value_buffer.unsafeGetTensorImpl()->bump_version();
   const at::Tensor out = kvb_causal_attention(q, key_buffer.narrow(2, first, end + rows - first),
                                               value_buffer.narrow(2, first, end + rows - first), scale, window);
   at::Tensor next = layer_output(hidden, out, qweights.slice(3, 4), sides.slice(3, 4), outs.slice(3, 4),

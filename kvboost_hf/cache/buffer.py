@@ -139,6 +139,8 @@ class BufferedLayer(DynamicLayer):
         self.keys, self.values = self.buffer.append(self.keys, self.values, key_states, value_states)
         return self.keys, self.values
 
+    kvboost_update = update  # the update the in-place protocol below mirrors (kernels.decoder)
+
     def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
         """Where a fused int4 decoder may write a forward's new states itself (``kernels.decoder``'s in-place
         protocol): ``(key buffer, value buffer, first key update() would return, position of the new rows)``, or None
@@ -184,6 +186,8 @@ class BufferedSlidingLayer(DynamicSlidingWindowLayer):
         self.keys, self.values = keys, values
         visible = self.sliding_window - 1 + key_states.shape[-2]
         return keys[:, :, -visible:, :], values[:, :, -visible:, :]
+
+    kvboost_update = update  # the update the in-place protocol below mirrors (kernels.decoder)
 
     def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
         """As :meth:`BufferedLayer.kvboost_reserve`; the first key is the first update() returns (recording the past:

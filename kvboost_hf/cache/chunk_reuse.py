@@ -92,6 +92,8 @@ class ReuseLayer(BufferedLayer):
         self.flush()
         return super().update(key_states, value_states, *args, **kwargs)
 
+    kvboost_update = update  # the update the in-place protocol below mirrors (kernels.decoder)
+
     def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
         """:meth:`BufferedLayer.kvboost_reserve` after what update() does first (the queued K/V joined)."""
         self.flush()
@@ -168,6 +170,8 @@ class ReuseSlidingLayer(BufferedSlidingLayer):
             self.history.append((key_states, value_states))
             self.history_length += key_states.shape[-2]
         return super().update(key_states, value_states, *args, **kwargs)
+
+    kvboost_update = update  # the update the in-place protocol below mirrors (kernels.decoder)
 
     def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
         """:meth:`BufferedSlidingLayer.kvboost_reserve` after what update() does first (the queued K/V joined)."""
@@ -257,10 +261,12 @@ class ChunkReuseCache(DynamicCache):
             _warn_unmanaged()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    kvboost_update = update  # the update kvboost_updates_layers_only speaks for (kernels.decoder)
+
     def kvboost_updates_layers_only(self) -> bool:
         """Whether update() now adds nothing to its layers' updates (``kernels.decoder``'s in-place protocol): once
-        a request manages the cache (else it warns), off-loading aside."""
-        return self.request is not None and not self.offloading
+        a request manages the cache (else it warns)."""
+        return self.request is not None
 
     # ------------------------------------------------------------------ state
     @property

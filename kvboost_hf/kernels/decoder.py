@@ -34,7 +34,9 @@ layer is one ``torch.ops.kvboost.layer_step`` call: reserve gives the layer's ke
 its update would return and where the new rows go (or None: update takes them this time), the op writes the new
 states there and attends over them, and commit leaves the layer as its update would have. The same functions in the
 same order as the four calls it replaces: the same bits, one call instead of four and no cache update in Python
-(kvboost_hf's in-place layers, ``kvboost_hf.cache.buffer``, implement it).
+(kvboost_hf's in-place layers, ``kvboost_hf.cache.buffer``, implement it). Each class on the way that defines
+``update`` binds ``kvboost_update = update`` next to it: an ``update`` patched on such a class, on transformers'
+``Cache``, or set on a cache or layer instance is not one the protocol mirrors, so those calls run it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 FRESH_LAYER = "kvboost_fresh_layer"  # a fused decoder's attribute: fuse_decoder's fresh_layer
 RESERVE = "kvboost_reserve"  # the in-place protocol's method, defined by a cache layer's own class (module docstring)
 UPDATES_LAYERS_ONLY = "kvboost_updates_layers_only"  # ... and a cache class's own method saying its update adds nothing
+MIRRORED = "kvboost_update"  # ... and, in each class defining update, the update its protocol methods mirror
+_CACHE_UPDATE = Cache.update  # as imported: a later patch of it is a cache update the protocol does not mirror
 FreshLayer = Callable[[CacheLayerMixin], "CacheLayerMixin | None"]
 
 
@@ -108,7 +112,7 @@ class KernelDecoderMixin:
         for (arguments, index, head_dim, scaling, window), (cos, sin) in zip(plan.layers, embeddings):
             if cache_layers is not None:  # the in-place protocol (module docstring): one op call for the layer
                 layer = cache_layers[index]
-                reserve = type(layer).__dict__.get(RESERVE)
+                reserve = _reserver(layer)
                 slots = reserve and reserve(layer, (batch, arguments.outs[1] // head_dim, rows, head_dim), hidden.dtype)
                 if slots:
                     hidden, k, v = torch.ops.kvboost.layer_step(*arguments.step(hidden, cos, sin, head_dim), *slots,
@@ -143,14 +147,41 @@ def _plain(decoder: nn.Module, kwargs: dict) -> bool:
 
 def _updates_layers_only(cache: Cache) -> bool:
     """Whether ``cache.update(k, v, i)`` is ``cache.layers[i].update(k, v)`` and nothing more in this call (so the loop
-    may append through a layer's in-place protocol), with no autograd recording the forward."""
-    if torch.is_grad_enabled():
+    may append through a layer's in-place protocol), with no autograd recording the forward: transformers' own
+    ``Cache.update`` as this module found it (a patch of it, or an ``update`` set on the instance, runs as it is), and
+    every class on the way that defines ``update`` mirrors it (:func:`_mirrors`) and says so for this call."""
+    if torch.is_grad_enabled() or "update" in cache.__dict__ or getattr(cache, "offloading", False):
         return False
-    cls = type(cache)
-    if cls.update is Cache.update:
-        return not cache.offloading
-    says = cls.__dict__.get(UPDATES_LAYERS_ONLY)
-    return says is not None and bool(says(cache))
+    for cls in type(cache).__mro__:
+        own = cls.__dict__
+        if cls is Cache:
+            return own.get("update") is _CACHE_UPDATE
+        if "update" in own and not (_mirrors(own) and UPDATES_LAYERS_ONLY in own and own[UPDATES_LAYERS_ONLY](cache)):
+            return False
+    return False
+
+
+def _reserver(layer) -> Callable | None:
+    """``layer``'s own class's ``kvboost_reserve``, where every ``update`` its update can run is one the protocol
+    mirrors: none set on the instance, and each class of kvboost_hf's or a user's that defines one names it
+    (:func:`_mirrors`), down to transformers' layer class (whose update the in-place layers do not call)."""
+    cls = type(layer)
+    reserve = cls.__dict__.get(RESERVE)
+    if reserve is None or "update" in layer.__dict__:
+        return None
+    for c in cls.__mro__:
+        if c.__module__.startswith("transformers."):
+            break
+        own = c.__dict__
+        if "update" in own and not _mirrors(own):
+            return None
+    return reserve
+
+
+def _mirrors(own) -> bool:
+    """Whether a class's ``update`` is still the one its in-place protocol was written against (``kvboost_update``,
+    bound in the class body next to it): a patch of the class's ``update`` breaks that."""
+    return own.get(MIRRORED) is own["update"]
 
 
 def _swap_fresh_layers(cache: Cache, fresh: FreshLayer) -> None:

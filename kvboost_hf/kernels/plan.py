@@ -131,9 +131,15 @@ class _Witness:
     hooks: tuple  # hook dicts that must stay empty
     captured: tuple  # modules whose forward hooks may be transformers' output capture only
     config: tuple  # _config_reads at the plan's reading
+    # the decoder's class, config and _modules dict: checked on the decoder given, not held through it (the witness
+    # lives in the decoder's __dict__: holding the decoder would keep a deleted model alive until a gc pass)
+    owner: tuple
 
     def holds(self, decoder: nn.Module) -> bool:
-        return (all(map(operator.is_, map(dict.get, self.dicts, self.keys, repeat(ABSENT)), self.values))
+        own = decoder.__dict__
+        return (type(decoder) is self.owner[0] and own.get("config") is self.owner[1]
+                and own.get("_modules") is self.owner[2]
+                and all(map(operator.is_, map(dict.get, self.dicts, self.keys, repeat(ABSENT)), self.values))
                 and all(map(operator.is_, map(type, self.objects), self.types))
                 and all(map(operator.eq, map(len, self.children), self.sizes))
                 and all(map(operator.is_, chain.from_iterable(map(dict.values, self.children)), self.members))
@@ -158,8 +164,8 @@ def _witness(decoder: nn.Module, plan: Plan) -> _Witness | None:
     """What ``plan`` was read from, or None where some of it cannot be checked that way (a layer's arguments not
     remembered, a dict of another class than ``dict``)."""
     layers = list(decoder.layers)[: len(plan.layers)]
-    slots = [(decoder.__dict__, "config"), (decoder._modules, "layers")]
-    objects, children, hooks, captured = [decoder, decoder.layers], [decoder.layers._modules], [], []
+    slots = [(decoder._modules, "layers"), (decoder.layers.__dict__, "_modules")]
+    objects, children, hooks, captured = [decoder.layers], [decoder.layers._modules], [], []
     sources = []
     for layer, (arguments, *_) in zip(layers, plan.layers):
         read = remembered_sources(layer)
@@ -185,7 +191,8 @@ def _witness(decoder: nn.Module, plan: Plan) -> _Witness | None:
         keys + tuple(chain.from_iterable(r.keys for r in sources)),
         values + tuple(chain.from_iterable(r.values for r in sources)),
         tuple(objects), tuple(map(type, objects)), tuple(children), tuple(map(len, children)), members,
-        tuple(hooks), tuple(captured), _config_reads(decoder))
+        tuple(hooks), tuple(captured), _config_reads(decoder),
+        (type(decoder), decoder.__dict__.get("config"), decoder.__dict__.get("_modules")))
 
 
 def _keeps_keys_in_order(cache: Cache, layers: int) -> bool:
@@ -198,8 +205,9 @@ def _keeps_keys_in_order(cache: Cache, layers: int) -> bool:
 
 def layer_plan(decoder: nn.Module, cache: Cache) -> Plan | None:
     """Each layer's op arguments, cache index, head size, scale and window (as the decoder's masks apply it), or
-    None where a layer or the cache is not one the loop reproduces. Attributes are read from the modules' dicts:
-    this runs on every call, after the weights have streamed through the CPU caches (each lookup a cache miss)."""
+    None where a layer or the cache is not one the loop reproduces. Attributes are read from the modules' dicts: this
+    runs after the weights have streamed through the CPU caches (each lookup a cache miss), at every call whose
+    witness no longer holds."""
     config = decoder.config
     form = DECODER_FORMS[type(decoder).__name__]
     layers = list(decoder.layers)[: config.num_hidden_layers]  # (a ModuleList slice builds a module: ~0.1 ms)
@@ -217,7 +225,7 @@ def layer_plan(decoder: nn.Module, cache: Cache) -> Plan | None:
         if (_hooked(layer) and not capture_hooks_only(layer) or layer.training or attn.training or mlp.training
                 or not isinstance(own.get(attention.OWNED_ATTR), KernelAttention)
                 or own.get("attn_logit_softcapping") is not None
-                or (own["is_causal"] if "is_causal" in own else getattr(type(attn), "is_causal", True)) is not True):
+                or own.get("is_causal") is not True):  # (every known attention sets its own in __init__)
             return None
         arguments = cached_arguments(layer)
         if arguments is None:

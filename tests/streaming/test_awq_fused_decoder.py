@@ -302,12 +302,24 @@ def _layer_pre_hook(model):
     model.model.layers[1].register_forward_pre_hook(lambda module, args: None)
 
 
+def _layers_dict_replaced(model):
+    layers = model.model.layers
+    swapped = dict(layers._modules)
+    swapped["1"], swapped["2"] = swapped["2"], swapped["1"]
+    layers._modules = swapped  # a new dict; the old one, which the plan was read from, left as it was
+
+
+def _causal_from_the_class(model):
+    for layer in model.model.layers:
+        del layer.self_attn.is_causal  # the class's then: the loop does not take a layer that does not say it itself
+
+
 def _capture_on_attention(model):
     model(input_ids=torch.tensor([[5, 6, 7]]), output_attentions=True)  # installs output capture: still the loop
 
 
 @pytest.mark.parametrize("change", [_scaling, _layer_swapped, _window, _types_in_place, _training, _layer_pre_hook,
-                                    _capture_on_attention])
+                                    _layers_dict_replaced, _causal_from_the_class, _capture_on_attention])
 def test_a_plan_is_read_again_when_what_it_was_read_from_changed(change, tiny_awq, kernels_built, fast_loops,
                                                                  monkeypatch):
     """The decoder remembers its plan with everything it was read from (its witness); a change to any of it after the
@@ -337,10 +349,11 @@ def test_a_plan_is_read_again_when_what_it_was_read_from_changed(change, tiny_aw
     with torch.no_grad():
         plain = run()
     assert torch.equal(fused, plain)
-    assert counts["reads"] > 0 or change is _capture_on_attention  # read again (output capture changes no slot)
+    # read again (output capture changes no slot; a layer saying nothing of is_causal is refused before its read)
+    assert counts["reads"] > 0 or change in (_capture_on_attention, _causal_from_the_class)
     if change in (_window, _types_in_place, _scaling):
         assert taken == 5 and not torch.equal(fused, before)  # still the loop, with what changed
-    if change in (_training, _layer_pre_hook):
+    if change in (_training, _layer_pre_hook, _causal_from_the_class):
         assert taken == 0
     if change is _capture_on_attention:
         assert taken == 5 and torch.equal(fused, before)
@@ -439,3 +452,22 @@ def test_the_embedding_runs_once_whether_the_call_is_plain_or_not(tiny_awq, kern
             assert len(calls) == 2 and fast_loops["n"] == 1
     finally:
         handle.remove()
+
+
+def test_a_fused_model_is_freed_when_deleted(tiny_awq, kernels_built):
+    """The plan's witness lives in the decoder and holds nothing that leads back to it: deleting a model that ran a
+    fused forward frees it at once, without waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    model = awq_model("gemma3", tiny_awq, None)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=DynamicCache(config=model.config))
+    assert model.model.__dict__.get(plan.WITNESS_ATTR) is not None
+    decoder, weight = weakref.ref(model.model), weakref.ref(model.model.embed_tokens.weight)
+    gc.disable()
+    try:
+        del model
+        assert decoder() is None and weight() is None
+    finally:
+        gc.enable()

@@ -9,13 +9,15 @@ import logging
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from kvboost_hf.cache import BufferedCache, buffer
 from kvboost_hf.cache.buffer import BufferedLayer
 from kvboost_hf.cache.chunk_reuse import ChunkReuseCache, ReuseRequest
 from kvboost_hf.kernels import decoder as fused_decoder
-from kvboost_hf.kernels.plan import KEYS_IN_ORDER
+from kvboost_hf.kernels.decoder import unfuse_decoder
 from kvboost_hf.kernels.layer import layer_arguments
+from kvboost_hf.kernels.plan import KEYS_IN_ORDER
 from tests.streaming.test_awq_fused_decoder import awq_model, fast_loops, kernels_built  # noqa: F401 - fixtures
 
 STEP_OP = "kvboost::layer_step"
@@ -143,3 +145,83 @@ def test_the_one_call_op_refuses_buffers_that_do_not_fit(tiny_awq, kernels_built
     out, k, v = step(*a.step(hidden, cos, cos, head_dim), room, values, 0, 3, 0.25, 0)
     assert out.shape == hidden.shape and torch.equal(room[:, :, 3:5], k) and torch.equal(values[:, :, 3:5], v)
     assert not room[:, :, 5:].any() and not values[:, :, 5:].any()  # nothing written past the new rows
+
+
+def _halving(update, calls: dict):
+    """An ``update`` (bound or not) wrapped to store halved values, counting its calls."""
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        args = list(args)
+        at = 2 if len(args) > 2 and isinstance(args[0], Cache | BufferedLayer) else 1
+        args[at] = args[at] * 0.5
+        return update(*args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["cache instance", "layer instance", "Cache class", "layer class"])
+def test_an_update_patched_or_set_on_an_instance_runs_at_every_call(where, tiny_awq, kernels_built, monkeypatch):
+    """An ``update`` set on the cache or a layer, or patched on transformers' ``Cache`` or on an in-place layer class,
+    is not what the protocol mirrors: every forward runs it, as the decoder's own forward does."""
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(31))
+    layers = model.config.num_hidden_layers
+
+    def run():
+        calls = {"n": 0}
+        cache = BufferedCache(config=model.config)
+        if where == "cache instance":
+            cache.update = _halving(cache.update, calls)
+        elif where == "layer instance":
+            cache.layers[-1].update = _halving(cache.layers[-1].update, calls)  # the full-attention layer
+        with monkeypatch.context() as patch:
+            if where == "Cache class":
+                patch.setattr(Cache, "update", _halving(Cache.update, calls))
+            elif where == "layer class":
+                patch.setattr(BufferedLayer, "update", _halving(BufferedLayer.update, calls))
+            with torch.no_grad():
+                logits, steps = op_calls(lambda: decode(model, cache, ids))
+        return logits, steps, calls["n"]
+
+    fused, steps, calls = run()
+    forwards = 2 + ids.shape[1] - 21
+    assert calls == forwards * (layers if where in ("cache instance", "Cache class") else 1)
+    if where in ("cache instance", "Cache class"):
+        assert steps == 0
+    else:
+        assert 0 < steps < layers * (forwards - 1)  # the other layers still take the one call
+    assert unfuse_decoder(model) == 1
+    plain, _, plain_calls = run()
+    assert plain_calls == calls and torch.equal(fused, plain)
+
+
+def test_the_one_call_op_refuses_what_its_write_would_get_wrong(tiny_awq, kernels_built):
+    """Overlapping key and value buffers, a bad window (before anything is written), buffers made under inference
+    mode written outside it; a write moves the buffers' version counters, as a Python write does."""
+    model = awq_model("gemma3", tiny_awq, None)
+    a, head_dim = layer_arguments(model.model.layers[0]), model.config.head_dim
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, 1, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    cos = torch.randn(1, 1, head_dim, generator=gen).to(torch.bfloat16)
+    args = a.step(hidden, cos, cos, head_dim)
+    shape = (1, a.outs[1] // head_dim, 6, head_dim)
+    step = torch.ops.kvboost.layer_step
+    keys = torch.zeros(shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        step(*args, keys, keys, 0, 2, 0.25, 0)
+    shifted = torch.zeros(*shape[:2], shape[2] + 1, shape[3], dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        step(*args, shifted[:, :, :-1], shifted[:, :, 1:], 0, 2, 0.25, 0)  # one row apart
+    halves = torch.zeros(2, *shape[1:], dtype=torch.bfloat16)
+    step(*args, halves[:1], halves[1:], 0, 2, 0.25, 0)  # two halves of one tensor: allowed
+    values = torch.zeros(shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        step(*args, keys, values, 0, 2, 0.25, -1)
+    assert not keys.any() and not values.any()
+    with torch.inference_mode():
+        frozen_keys, frozen_values = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="made under inference mode"):
+        step(*args, frozen_keys, frozen_values, 0, 2, 0.25, 0)
+    versions = keys._version, values._version
+    with torch.no_grad():
+        step(*args, keys, values, 0, 2, 0.25, 0)
+    assert keys._version > versions[0] and values._version > versions[1]
