@@ -67,6 +67,15 @@ def fused_and_plain(model, run, fast_loops) -> tuple:
     return fused, plain, taken
 
 
+def prefill_then_steps(model, ids: torch.Tensor, prefill: int, cache_class=DynamicCache) -> torch.Tensor:
+    """The logits of a ``prefill``-token forward on a new cache, then of one forward per token to the end of ``ids``."""
+    cache = cache_class(config=model.config)
+    out = [model(input_ids=ids[:, :prefill], past_key_values=cache).logits]
+    for t in range(prefill, ids.shape[1]):
+        out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits)
+    return torch.cat(out, dim=1)
+
+
 def awq_model(family, tiny_awq, tiny_mistral_awq, dtype=torch.bfloat16):
     path = tiny_mistral_awq if family == "mistral" else tiny_awq[family][1]
     return load_awq(path, residency_mode="full_resident", kernel="kvboost", dtype=dtype)
@@ -330,11 +339,7 @@ def test_a_plan_is_read_again_when_what_it_was_read_from_changed(change, tiny_aw
     ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(13))
 
     def run():
-        cache = DynamicCache(config=model.config)
-        out = [model(input_ids=ids[:, :12], past_key_values=cache).logits]
-        for t in range(12, 16):
-            out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits)
-        return torch.cat(out, dim=1)
+        return prefill_then_steps(model, ids[:, :16], 12)
 
     with torch.no_grad():
         before = run()
@@ -412,11 +417,7 @@ def test_what_transformers_computes_otherwise_is_not_taken(case, tiny_awq, kerne
         case, DynamicCache)
 
     def run():
-        cache = cache_class(config=model.config)
-        out = [model(input_ids=ids[:, :20], past_key_values=cache).logits]
-        for t in range(20, 24):
-            out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits)
-        return torch.cat(out, dim=1)
+        return prefill_then_steps(model, ids, 20, cache_class)
 
     try:
         fused, plain, taken = fused_and_plain(model, run, fast_loops)
