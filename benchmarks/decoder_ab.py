@@ -1,0 +1,115 @@
+"""The fused decoder's Python-side choices, A/B in one process, call by call: Gemma-3-270M packed by ``awq-pack``
+(round-to-nearest, group 128, resident, bf16) on kvboost_hf's kernels.
+
+- ``layer_step``: one ``torch.ops.kvboost.layer_step`` call a layer on in-place cache layers (the in-place
+  protocol, ``kvboost_hf.kernels.decoder``) against the four calls a layer (forced by answering False for every
+  cache in ``_updates_layers_only``);
+- ``witness``: the plan checked against its witness against the plan read again at every call
+  (``kvboost_hf.kernels.plan``).
+
+Each round prefills a 200-token prompt, then alternates the two ways call by call (ABBA) over one-token calls of
+the decoder alone (``--what decoder``), of the whole model (``step``: decoder and bf16 head, ``DynamicCache``), or
+of its int4 self-draft (``draft``: 32k-vocab head, ``BufferedCache``); ``--sweep`` reads 64 MB before each call,
+as a step's weights evict the CPU caches. Prints each way's median and the median and quartiles of the per-pair
+ratios (the second way over the first: above 1, the first is faster). The host's drift between processes is larger
+than these differences; a pair's two calls are ~20-40 ms apart.
+
+    python benchmarks/decoder_ab.py --compare layer_step --what decoder step draft --rounds 6
+    python benchmarks/decoder_ab.py --compare witness --what decoder --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def ways(compare: str) -> dict:
+    """The two ways of ``compare``, as (module, attribute, value) patches; the first is the package's own."""
+    from kvboost_hf.kernels import decoder, plan
+
+    if compare == "layer_step":
+        return {"one call": (decoder, "_updates_layers_only", decoder._updates_layers_only),
+                "four calls": (decoder, "_updates_layers_only", lambda cache: False)}
+    return {"witness": (plan, "checked_plan", plan.checked_plan),
+            "read again": (plan, "checked_plan", plan.layer_plan)}
+
+
+def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, sweep: bool) -> dict:
+    """Per way, the seconds of each call; and the per-pair ratios (second way / first)."""
+    prompt = torch.randint(10, 20000, (1, 201 + pairs), generator=torch.Generator().manual_seed(1))
+    names = list(variants)
+    times, ratios = {name: [] for name in names}, []
+    evict = torch.zeros(16 * 1024 * 1024)
+    with torch.no_grad():
+        for _ in range(rounds):
+            cache = new_cache(model.config)
+            model(prompt[:, :200], past_key_values=cache)
+            model(prompt[:, 200:201], past_key_values=cache)  # the refill after a prefill's exact buffers
+            for i in range(pairs):
+                took = {}
+                for name in names if i % 2 == 0 else names[::-1]:
+                    owner, attribute, value = variants[name]
+                    setattr(owner, attribute, value)
+                    if sweep:
+                        evict.add_(1)
+                    start = time.perf_counter()
+                    call(model, prompt[:, 201 + i:202 + i], cache)
+                    took[name] = time.perf_counter() - start
+                for name in names:
+                    times[name].append(took[name])
+                ratios.append(took[names[1]] / took[names[0]])
+    owner, attribute, value = variants[names[0]]
+    setattr(owner, attribute, value)
+    return {"times": times, "ratios": ratios}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=["layer_step", "witness"], default="layer_step")
+    parser.add_argument("--what", nargs="+", choices=["decoder", "step", "draft"], default=["decoder"])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--pairs", type=int, default=30, help="pairs of calls a round")
+    parser.add_argument("--sweep", action="store_true", help="read 64 MB before each call")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvboost_hf import make_draft
+    from kvboost_hf.cache import BufferedCache
+    from kvboost_hf.models import cache_dir, load_default_model
+    from kvboost_hf.streaming import StreamingAWQConfig
+    from kvboost_hf.streaming.pack import pack_model
+
+    torch.set_num_threads(2)
+    base, tokenizer = load_default_model()
+    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"  # as benchmarks/kernels.py packs it
+    if not (path / "config.json").exists():
+        pack_model(base, path, group_size=128, tokenizer=tokenizer)
+    del base
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel="kvboost"),
+        dtype=torch.bfloat16).eval()
+    variants = ways(args.compare)
+    for what in args.what:
+        if what == "draft":
+            subject = make_draft(model, bits=4, vocab=32768, tokenizer=tokenizer)
+            new_cache = lambda config: BufferedCache(config=config)  # noqa: E731
+        else:
+            subject, new_cache = model, lambda config: DynamicCache(config=config)  # noqa: E731
+        call = (lambda m, x, c: m.model(x, past_key_values=c)) if what == "decoder" else (
+            lambda m, x, c: m(x, past_key_values=c))
+        result = measure(subject, call, new_cache, variants, args.rounds, args.pairs, args.sweep)
+        medians = ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in result["times"].items())
+        q1, _, q3 = statistics.quantiles(result["ratios"], n=4)
+        q2 = statistics.median(result["ratios"])
+        first, second = list(variants)
+        print(f"{what}{' (sweep)' if args.sweep else ''}: {medians}; {second} / {first} per pair: median {q2:.3f} "
+              f"(quartiles {q1:.3f}-{q3:.3f}, {len(result['ratios'])} pairs)")
+
+
+if __name__ == "__main__":
+    main()
