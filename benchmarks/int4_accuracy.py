@@ -45,19 +45,15 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from kvboost_hf import kernels
-    from kvboost_hf.models import cache_dir, load_default_model
+    from kvboost_hf.models import load_default_model
     from kvboost_hf.streaming import StreamingAWQConfig
     from kvboost_hf.streaming.linear import AWQInt4Linear
-    from kvboost_hf.streaming.pack import pack_model
 
-    from _common import essays
+    from _common import essays, packed_gemma
 
     if not kernels.available().built:
         raise SystemExit(f"kernels not built: {kernels.available().reason}")
-    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
-    if not (path / "config.json").exists():
-        model, tokenizer = load_default_model()
-        pack_model(model, path, group_size=128, tokenizer=tokenizer)
+    path = packed_gemma()
     _, tokenizer = load_default_model()
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel="kvboost"),

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DOCS_BENCH, environment, median, memory_bandwidth_gbs, write_json  # noqa: E402
+from _common import DOCS_BENCH, environment, median, memory_bandwidth_gbs, packed_gemma, write_json  # noqa: E402
 
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
@@ -106,15 +106,12 @@ def whole_model(reps: int) -> dict:
 
     from kvboost_hf import make_draft
     from kvboost_hf.cache import BufferedCache
-    from kvboost_hf.models import cache_dir, load_default_model
+    from kvboost_hf.models import load_default_model
     from kvboost_hf.models.attention import FLOAT32_SDPA
     from kvboost_hf.streaming import StreamingAWQConfig
-    from kvboost_hf.streaming.pack import pack_model
 
     model, tokenizer = load_default_model()
-    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
-    if not (path / "config.json").exists():
-        pack_model(model, path, group_size=128, tokenizer=tokenizer)
+    path = packed_gemma(model, tokenizer)
     models = {kernel: AutoModelForCausalLM.from_pretrained(
         path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel=kernel),
         dtype=torch.bfloat16).eval() for kernel in ("kvboost", "torch")}

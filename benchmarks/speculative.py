@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS_BENCH, environment, essays, median, memory_bandwidth_gbs  # noqa: E402
+from _common import DOCS_BENCH, environment, essays, median, memory_bandwidth_gbs, packed_gemma  # noqa: E402
 
 from kvboost_hf import (  # noqa: E402
     ChunkStore,
@@ -59,7 +59,7 @@ from kvboost_hf import (  # noqa: E402
     make_head_draft,
 )
 from kvboost_hf.generation.timing import FirstTokenTimer  # noqa: E402
-from kvboost_hf.models import cache_dir, load_default_model  # noqa: E402
+from kvboost_hf.models import load_default_model  # noqa: E402
 
 CHAT_TURNS = [
     ["Can you explain what a hash table is and why lookups are fast?", "What happens when two keys collide?",
@@ -210,11 +210,8 @@ def load_streamed(model, tokenizer, mbps: float):
     from transformers import AutoModelForCausalLM
 
     from kvboost_hf.streaming import StreamingAWQConfig
-    from kvboost_hf.streaming.pack import pack_model
 
-    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
-    if not (path / "config.json").exists():
-        pack_model(model, path, group_size=128, tokenizer=tokenizer)
+    path = packed_gemma(model, tokenizer)
     throttle = mbps * 1e6 if mbps else None
     config = StreamingAWQConfig(residency_mode="partial_resident", keep_first_k=2, keep_last_k=2, n_staging_slots=2,
                                 throttle_bytes_per_s=throttle)
@@ -227,8 +224,7 @@ def load_resident_int4(model, tokenizer):
 
     from kvboost_hf.streaming import StreamingAWQConfig
 
-    load_streamed(model, tokenizer, 0)  # packs the checkpoint once
-    path = cache_dir() / "bench" / "gemma-3-270m-awq-rtn-g128"
+    path = packed_gemma(model, tokenizer)
     config = StreamingAWQConfig(residency_mode="full_resident")
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
 
