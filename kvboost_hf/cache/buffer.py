@@ -61,10 +61,8 @@ class KVBuffer:
     def room(self, keys, values, shape: tuple, dtype: torch.dtype) -> bool:
         """Whether new CPU states of ``shape`` ``[batch, heads, rows, head_dim]`` and ``dtype`` (keys and values
         alike) can be written into the buffers at ``end`` as :meth:`append` would write them, without a refill."""
-        return (self.held is not None and keys is self.held[0] and values is self.held[1]
-                and self.end + shape[2] <= self.keys.shape[-2] and self.keys.device.type == "cpu"
-                and _fits_shape(self.keys, shape, dtype) and _fits_shape(self.values, shape, dtype)
-                and not (self.keys.is_inference() and not torch.is_inference_mode_enabled()))
+        return (self._open(keys, values, shape[2]) and _fits(self.keys, shape, dtype, _CPU)
+                and _fits(self.values, shape, dtype, _CPU))
 
     def written(self, rows: int) -> None:
         """``rows`` new states were written at ``end`` (where :meth:`room` said they fit); :meth:`live` or
@@ -72,9 +70,14 @@ class KVBuffer:
         self.end += rows
 
     def _extends(self, keys, values, new_keys: torch.Tensor, new_values: torch.Tensor) -> bool:
+        return (self._open(keys, values, new_keys.shape[-2])
+                and _fits(self.keys, new_keys.shape, new_keys.dtype, new_keys.device)
+                and _fits(self.values, new_values.shape, new_values.dtype, new_values.device))
+
+    def _open(self, keys, values, rows: int) -> bool:
+        """Whether the layer still holds the views last handed out and ``rows`` more fit past ``end``."""
         return (self.held is not None and keys is self.held[0] and values is self.held[1]
-                and self.end + new_keys.shape[-2] <= self.keys.shape[-2]
-                and _fits(self.keys, new_keys) and _fits(self.values, new_values)
+                and self.end + rows <= self.keys.shape[-2]
                 # a buffer made under inference_mode cannot be written outside it
                 and not (self.keys.is_inference() and not torch.is_inference_mode_enabled()))
 
@@ -113,15 +116,13 @@ def _concatenated(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     return new if held is None or held.dim() != 4 or held.shape[-2] == 0 else torch.cat([held, new], dim=-2)
 
 
-def _fits(buffer: torch.Tensor, new: torch.Tensor) -> bool:
-    """Whether ``new`` states can be written into ``buffer`` as they are."""
-    return (buffer.dtype == new.dtype and buffer.device == new.device and buffer.shape[:2] == new.shape[:2]
-            and buffer.shape[-1] == new.shape[-1])
+def _fits(buffer: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether states of ``shape``, ``dtype`` and ``device`` can be written into ``buffer`` as they are."""
+    return (buffer.dtype == dtype and buffer.device == device and buffer.shape[:2] == shape[:2]
+            and buffer.shape[-1] == shape[-1])
 
 
-def _fits_shape(buffer: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
-    return buffer.dtype == dtype and buffer.shape[0] == shape[0] and buffer.shape[1] == shape[1] and (
-        buffer.shape[-1] == shape[-1])
+_CPU = torch.device("cpu")
 
 
 class BufferedLayer(DynamicLayer):
@@ -200,9 +201,9 @@ class BufferedSlidingLayer(DynamicSlidingWindowLayer):
 
     def kvboost_commit(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """As :meth:`BufferedLayer.kvboost_commit`: the layer as update() leaves it."""
-        self.cumulative_length += key_states.shape[-2]
-        self.buffer.written(key_states.shape[-2])
         buffer = self.buffer
+        self.cumulative_length += key_states.shape[-2]
+        buffer.written(key_states.shape[-2])
         self.keys, self.values = buffer.live() if self.record_past else buffer.keep_last(self.sliding_window - 1)
 
     def reset(self) -> None:
