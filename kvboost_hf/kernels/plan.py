@@ -108,7 +108,10 @@ def checked_plan(decoder: nn.Module, cache: Cache) -> Plan | None:
 
 
 _ATTENTION_READS = (attention.OWNED_ATTR, "attn_logit_softcapping", "is_causal", "layer_idx", "head_dim", "scaling")
-_HOOK_SLOTS = ("_forward_pre_hooks", "_forward_hooks", "forward", "training", "_modules")
+# read of the layer, its attention and its MLP: their training flags and children, and the layer's own hooks (the
+# attention's and the MLP's are among the slots of the layer's ArgumentSources, which covers the layer's children)
+_MODULE_SLOTS = ("training", "_modules")
+_LAYER_SLOTS = (*_MODULE_SLOTS, "_forward_pre_hooks", "_forward_hooks", "forward")
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,9 @@ def _witness(decoder: nn.Module, plan: Plan) -> _Witness | None:
         if read is None or read.arguments is not arguments:
             return None
         sources.append(read)
-        for module in (layer, attn, mlp):
-            slots += [(module.__dict__, k) for k in _HOOK_SLOTS]
-            children.append(module._modules)
+        slots += [(layer.__dict__, k) for k in _LAYER_SLOTS]
+        slots += [(module.__dict__, k) for module in (attn, mlp) for k in _MODULE_SLOTS]
+        children += [layer._modules, attn._modules, mlp._modules]
         slots += [(attn.__dict__, k) for k in _ATTENTION_READS]
         objects += [layer, *read.modules]
         hooks += [layer._forward_pre_hooks, *read.hooks]
