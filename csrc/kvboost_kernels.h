@@ -35,7 +35,10 @@ struct Bf16 {  // the bits of one bfloat16 (tags a row-major bf16 weight for the
 // dimension contiguous (strides in elements for the others). Row i sits at position keys - rows + i:
 // with `causal` it reads keys up to that position, with window > 0 only the last `window` of them;
 // a mask (bool bytes, or float values added to the scores; strides, 0 to broadcast) removes more.
-// Output: float [batch, rows, heads, dim]. Work items t = (b * heads + h) * rows + i.
+// Output: float [batch, rows, heads, dim]. Work items t = ((b * kv_heads + g) * rows + i) * parts + part: row i
+// of the `heads_per_item` query heads from g * group + part * heads_per_item (group = heads / kv_heads, parts =
+// ceil(group / heads_per_item)), which read each key and value row once for all of them; a head's result is the
+// same whichever heads share its item.
 struct KvbAttention {
   const void* q;
   const void* k;
@@ -50,13 +53,16 @@ struct KvbAttention {
   bool causal;
   int64_t window;
   float* out;
+  int64_t heads_per_item;  // 1 .. KVB_MAX_HEADS_PER_ITEM
 };
 
-// Floats of scratch one thread of an attention call needs: the query and the output accumulator,
-// each padded to whole 16-lane vectors, a 16-float tail buffer, and one score per key
+constexpr int64_t KVB_MAX_HEADS_PER_ITEM = 8;
+
+// Floats of scratch one thread of an attention call needs: per head of an item, the query and the output
+// accumulator, each padded to whole 16-lane vectors; a 16-float tail buffer; per head, one score per key
 // (attention_body.inc carves it in that order). Static: every translation unit has its own copy.
-static inline int64_t kvb_attention_scratch(int64_t dim, int64_t keys) {
-  return 2 * ((dim + 15) / 16 * 16) + 16 + keys;
+static inline int64_t kvb_attention_scratch(int64_t dim, int64_t keys, int64_t heads_per_item) {
+  return heads_per_item * (2 * ((dim + 15) / 16 * 16) + keys) + 16;
 }
 
 #define KVB_DECLARE_ISA(ns)                                                                          \

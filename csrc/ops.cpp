@@ -290,12 +290,20 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   at::Tensor out = at::empty({batch, rows, heads, dim}, q.options().dtype(at::kFloat));
   a.out = out.data_ptr<float>();
   const int64_t level = get_level();
-  const int64_t per_row = std::max<int64_t>(1, keys * dim);
-  const int64_t grain = std::max<int64_t>(1, 32768 / per_row);  // rows small enough stay on one thread
-  const int64_t scratch = kvb_attention_scratch(dim, keys);
-  at::parallel_for(0, batch * heads * rows, grain, [&](int64_t t0, int64_t t1) {
+  // The query heads of a key head share an item (each key and value row read once for all of them), split where
+  // that would leave a thread without one (a decode step of a model with one key head, on two threads). Which heads
+  // share an item changes no bit.
+  const int64_t group = heads / kv_heads, items = batch * kv_heads * rows, threads = at::get_num_threads();
+  int64_t per = std::min<int64_t>(group, KVB_MAX_HEADS_PER_ITEM);
+  while (per > 1 && items * ((group + per - 1) / per) < threads) per = (per + 1) / 2;
+  a.heads_per_item = per;
+  const int64_t per_item = std::max<int64_t>(1, per * keys * dim);
+  const int64_t grain = std::max<int64_t>(1, 32768 / per_item);  // items small enough stay on one thread
+  const int64_t scratch = kvb_attention_scratch(dim, keys, per), total = items * ((group + per - 1) / per);
+  // taken as threads finish (a causal prompt's later rows read more keys: a static split of rows is uneven)
+  balanced_for(total, std::max(grain, chunk_of(total, 1)), [&](const auto& take) {
     std::vector<float> buffer(scratch);
-    KVB_BY_LEVEL(level, attention_rows, a, t0, t1, buffer.data());
+    for (int64_t t0, t1; take(t0, t1);) KVB_BY_LEVEL(level, attention_rows, a, t0, t1, buffer.data());
   });
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
