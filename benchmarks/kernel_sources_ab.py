@@ -16,6 +16,9 @@ more between two processes than a change is worth (a shared 2-vCPU VM: rounds sp
 
 ``--head`` times the bf16 LM head instead (262k x 640 in nn.Linear's [N, K] layout, as an int4 Gemma's tied head
 runs, two threads; 335 MB, so read from DRAM on every call) at M = 1, 4, 6, 9 and 12 rows, the median of 5 calls.
+``--attention`` times the attention op over Gemma-3-270M's heads (4 query heads, one key head, dim 256, bf16), two
+threads, as a forward calls it: 18 calls, each layer its own K/V, after reading 64 MB (a step's weights evict the
+K/V): a decode row over 300 and 2000 keys, 9 rows over 300 (a verification), a 256-token prefill; the median of 15.
 
 The activations are bf16, as an AWQ linear gives them: on an avx512_bf16 host they take that path's own
 kernel; set ``KVBOOST_HF_KERNEL_ISA=avx512`` (or avx2) to compare the float32 paths there.
@@ -61,6 +64,33 @@ def head_worker() -> dict:
     return {f"lm_head 262144x640 M={m} threads={torch.get_num_threads()}": median(t) for m, t in times.items()}
 
 
+ATTENTION_CASES = {"decode row, 300 keys": (1, 300), "9 rows, 300 keys": (9, 300), "256-token prefill": (256, 256),
+                   "decode row, 2000 keys": (1, 2000)}
+
+
+def attention_worker() -> dict:
+    import torch
+
+    built_kernels()
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(0)
+    evict = torch.zeros(16 * 1024 * 1024)
+    out = {}
+    for name, (rows, keys) in ATTENTION_CASES.items():
+        layers = [(torch.randn(1, 4, rows, 256, generator=gen).bfloat16(),
+                   torch.randn(1, 1, keys, 256, generator=gen).bfloat16(),
+                   torch.randn(1, 1, keys, 256, generator=gen).bfloat16()) for _ in range(18)]
+        times = []
+        for _ in range(15):
+            evict.sum()
+            start = time.perf_counter()
+            for q, k, v in layers:
+                torch.ops.kvboost.attention(q, k, v, None, 0.0625, True, 0)
+            times.append((time.perf_counter() - start) * 1e6)
+        out[f"attention x18, {name}"] = median(times)
+    return out
+
+
 def worker() -> dict:
     import torch
 
@@ -91,9 +121,9 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
 
 
-def run(csrc: str, head: bool) -> dict:
+def run(csrc: str, what: list[str]) -> dict:
     env = dict(os.environ, KVBOOST_HF_CSRC=str(Path(csrc).resolve()))
-    command = [sys.executable, __file__, "--worker"] + (["--head"] if head else [])
+    command = [sys.executable, __file__, "--worker", *what]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -104,18 +134,20 @@ def main() -> None:
     parser.add_argument("--new", default=str(Path(__file__).resolve().parent.parent / "csrc"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head", action="store_true", help="time the bf16 LM head instead of the int4 layers")
+    parser.add_argument("--attention", action="store_true", help="time the attention op instead of the int4 layers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(head_worker() if args.head else worker()))
+        print(json.dumps(head_worker() if args.head else attention_worker() if args.attention else worker()))
         return
+    what = ["--head"] if args.head else ["--attention"] if args.attention else []
     if not args.base:
         parser.error("--base is required")
     samples: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     order = [("base", args.base), ("new", args.new)]
     for round_ in range(args.rounds):
         for label, csrc in order if round_ % 2 == 0 else order[::-1]:
-            for key, us in run(csrc, args.head).items():
+            for key, us in run(csrc, what).items():
                 samples[label].setdefault(key, []).append(us)
     print(f"{'shape, rows, threads':40s} {'base us':>10s} {'new us':>10s} {'base/new: median':>17s} {'range':>12s}")
     for key, base in samples["base"].items():
