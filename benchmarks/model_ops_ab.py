@@ -86,13 +86,11 @@ def main() -> None:
     parser.add_argument("--four-calls", action="store_true", help="the fused decoder's four-call loop at every step")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    from _common import packed_gemma
+    from _common import resident_int4_gemma
     from kvboost_hf.kernels import decoder
     from kvboost_hf.kernels.ops import loaded
-    from kvboost_hf.models import load_default_model
-    from kvboost_hf.streaming import StreamingAWQConfig
 
     if not loaded():
         raise SystemExit("kvboost_hf's kernels are not built here")
@@ -103,12 +101,7 @@ def main() -> None:
     if args.four_calls:
         decoder._updates_layers_only = lambda cache: False
     torch.set_num_threads(2)
-    base_model, tokenizer = load_default_model()
-    path = packed_gemma(base_model, tokenizer)
-    del base_model
-    model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel="kvboost"),
-        dtype=torch.bfloat16).eval()
+    model, _ = resident_int4_gemma()
     prompt = torch.randint(10, 20000, (1, 1000), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         texts = {}
