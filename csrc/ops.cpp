@@ -294,7 +294,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   // that would leave a thread without one (a decode step of a model with one key head, on two threads). Which heads
   // share an item changes no bit.
   const int64_t group = heads / kv_heads, items = batch * kv_heads * rows, threads = at::get_num_threads();
-  int64_t per = std::min<int64_t>(group, KVB_MAX_HEADS_PER_ITEM);
+  int64_t per = std::max<int64_t>(1, std::min<int64_t>(group, KVB_MAX_HEADS_PER_ITEM));  // (no heads: no items)
   while (per > 1 && items * ((group + per - 1) / per) < threads) per = (per + 1) / 2;
   a.heads_per_item = per;
   const int64_t per_item = std::max<int64_t>(1, per * keys * dim);

@@ -56,11 +56,14 @@ def compiler() -> str:
 
 
 def build_key(sources: Path) -> str:
-    """Changes with the sources, torch, the compiler name and the Python ABI: a stale build is never loaded."""
+    """Changes with the sources, torch, the compiler name and the Python ABI: a stale build is never loaded; and with
+    where the sources are (the build files name them: two checkouts sharing one folder rebuilt it in turn, each
+    under the library the other had loaded)."""
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update(name.encode() + b"\0" + (sources / name).read_bytes())
-    digest.update(f"{torch.__version__}|{compiler()}|{platform.python_version()}|{CFLAGS}".encode())
+    digest.update(f"{torch.__version__}|{compiler()}|{platform.python_version()}|{CFLAGS}|".encode())
+    digest.update(str(sources.resolve()).encode())
     return digest.hexdigest()[:16]
 
 
@@ -96,6 +99,7 @@ def _build_and_load() -> BuildResult:
     name = f"kvboost_kernels_{key}"
     try:
         with FileLock(str(folder / ".build.lock")):
+            _clear_stale_baton(folder)
             path = cpp_extension.load(name=name, sources=[str(sources / s) for s in SOURCES],
                                       extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                                       extra_include_paths=[str(sources)], build_directory=str(folder),
@@ -104,3 +108,13 @@ def _build_and_load() -> BuildResult:
         return BuildResult(None, f"build failed in {folder}: {type(error).__name__}: {str(error)[-500:]}")
     logger.info("kvboost_hf kernels loaded from %s", path)
     return BuildResult(str(path))
+
+
+def _clear_stale_baton(folder: Path) -> None:
+    """torch's ``cpp_extension.load`` marks a build in progress with a ``lock`` file in its folder, which a build
+    killed mid-way leaves behind; every later load then waits for it forever. Under our own lock (which the OS
+    releases when its holder dies) no build of ours is in progress in ``folder``: such a file is stale."""
+    stale = folder / "lock"
+    if stale.exists():
+        logger.warning("removing %s, left by a kernels build that did not finish", stale)
+        stale.unlink(missing_ok=True)

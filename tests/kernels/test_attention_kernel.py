@@ -137,14 +137,18 @@ def test_strided_queries_and_thread_counts_never_change_a_bit(built):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
-@pytest.mark.parametrize("heads,kv_heads,rows", [(4, 1, 1), (4, 1, 9), (14, 2, 1), (12, 1, 3), (6, 2, 2), (9, 3, 5)])
-def test_heads_sharing_a_key_head_give_each_heads_bits_alone(heads, kv_heads, rows, isa_paths):
+@pytest.mark.parametrize("batch,heads,kv_heads,rows,dim,dtype", [
+    (1, 4, 1, 1, 48, torch.bfloat16), (1, 4, 1, 9, 48, torch.bfloat16), (1, 14, 2, 1, 48, torch.bfloat16),
+    (1, 12, 1, 3, 48, torch.bfloat16), (2, 6, 2, 2, 40, torch.float32), (2, 9, 3, 5, 72, torch.float32),
+    (1, 24, 1, 2, 24, torch.bfloat16)])
+def test_heads_sharing_a_key_head_give_each_heads_bits_alone(batch, heads, kv_heads, rows, dim, dtype, isa_paths):
     """The query heads of a key head are computed together (each key and value row read once for all of them), in
     groups that depend on the thread count; each head's result is still the one it gets alone, also where only some
-    heads skip a key (a per-head mask, an exp that underflows) or read none (a dead head)."""
-    q, k, v = tensors(1, heads, kv_heads, rows, 41, 48, dtype=torch.bfloat16, seed=heads + rows)
+    heads skip a key (a per-head mask, an exp that underflows) or read none (a dead head), with head sizes that
+    leave a 16-lane tail, batches, float32."""
+    q, k, v = tensors(batch, heads, kv_heads, rows, 41, dim, dtype=dtype, seed=heads + rows)
     q[:, 1] *= 60  # scores far apart: some of this head's exps underflow to zero (keys it then skips)
-    mask = torch.zeros(1, heads, rows, 41)
+    mask = torch.zeros(batch, heads, rows, 41)
     mask[:, 2, :, 5:9] = float("-inf")  # one head skips keys the others read (one holding NaN: they give NaN)
     v[:, 2 * kv_heads // heads, 6, 3] = float("nan")
     mask[:, heads - 1] = float("-inf")  # one head reads nothing: zeros
@@ -156,13 +160,19 @@ def test_heads_sharing_a_key_head_give_each_heads_bits_alone(heads, kv_heads, ro
         for n in (1, 2, 3):
             with torch_threads(n):
                 got = ops.attention(q, k, v, mask, scale=0.125)
-                assert torch.equal(got.view(torch.int16), alone.view(torch.int16)), (isa, n)  # NaN bits too
+                bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                assert torch.equal(got.view(bits), alone.view(bits)), (isa, n)  # NaN bits too
                 causal = ops.attention(q, k, v, scale=0.125, causal=True, window=7)
                 for h in (0, heads - 1):
                     g = h * kv_heads // heads
                     assert torch.equal(causal[:, :, h : h + 1], ops.attention(
                         q[:, h : h + 1], k[:, g : g + 1], v[:, g : g + 1], scale=0.125, causal=True, window=7)), (isa, n)
     assert alone[:, :, heads - 1].eq(0).all() and alone[:, :, 2].isfinite().all() and alone[:, :, 0].isnan().any()
+
+
+def test_no_query_heads_give_an_empty_result(built):
+    q, k, v = tensors(1, 0, 1, 1, 5, 16)
+    assert ops.attention(q, k, v, scale=0.125).shape == (1, 1, 0, 16)
 
 
 def test_bad_inputs_say_what_to_change(built):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +24,13 @@ def probe(**env: str) -> dict:
     return probes(env)[0]
 
 
-def probes(*envs: dict) -> list[dict]:
+def probes(*envs: dict, timeout: int = 600) -> list[dict]:
     """PROBE's report in a fresh process per environment, the processes side by side (each mostly imports torch)."""
     runs = [subprocess.Popen([sys.executable, "-c", PROBE], env={**os.environ, **env}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for env in envs]
     reports = []
     for run in runs:
-        out, err = run.communicate(timeout=600)
+        out, err = run.communicate(timeout=timeout)
         assert run.returncode == 0, err
         reports.append(json.loads(out.strip().splitlines()[-1]))
     return reports
@@ -44,6 +45,21 @@ def test_without_a_compiler_it_says_why_once_and_torch_kernels_remain(tmp_path: 
 def test_disabled_by_the_environment(tmp_path: Path):
     got = probe(KVBOOST_HF_KERNELS="0", KVBOOST_HF_CACHE=str(tmp_path))
     assert got["built"] is False and "KVBOOST_HF_KERNELS=0" in got["reason"]
+
+
+def test_a_build_killed_mid_way_does_not_hang_the_next_load(built, tmp_path: Path):
+    """torch's cpp_extension leaves its ``lock`` file behind when a build is killed, and waits for it forever at
+    every later load; under the package's own lock (released with its holder) it is stale: removed, and the build
+    loads (here from a copy of this session's built folder, so nothing compiles)."""
+    from kvboost_hf.kernels.build import build_key, source_dir
+    from kvboost_hf.models import cache_dir
+
+    key = build_key(source_dir())
+    copy = tmp_path / "kernels" / key
+    shutil.copytree(cache_dir() / "kernels" / key, copy)
+    (copy / "lock").write_text("")  # a killed build's baton
+    got = probes({"KVBOOST_HF_CACHE": str(tmp_path)}, timeout=240)[0]
+    assert got["built"] is True and not (copy / "lock").exists()
 
 
 def test_the_path_follows_aten_cpu_capability(built):
