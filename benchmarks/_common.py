@@ -60,6 +60,15 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def per_pair(times: dict[str, list[float]], ratios: list[float], ratio: str) -> str:
+    """An in-process A/B's line: each way's median call (seconds in ``times``, shown in ms), and the median and
+    quartiles of the per-pair ratios (``ratio`` names them, e.g. "base / new")."""
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    medians = ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in times.items())
+    return (f"{medians}; {ratio} per pair: median {statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f}, "
+            f"{len(ratios)} pairs)")
+
+
 def memory_bandwidth_gbs(reps: int = 5) -> float:
     """This host's memory read speed now (a sum over 512 MB, the median of ``reps``): it drifts on shared hosts, and
     a decode step that reads its whole head is bound by it, so runs are compared with it in view."""

@@ -21,7 +21,6 @@ than these differences; a pair's two calls are ~20-40 ms apart.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -81,7 +80,7 @@ def main() -> None:
     from kvboost_hf import make_draft
     from kvboost_hf.cache import BufferedCache
 
-    from _common import resident_int4_gemma
+    from _common import per_pair, resident_int4_gemma
 
     torch.set_num_threads(2)
     model, tokenizer = resident_int4_gemma()
@@ -95,12 +94,9 @@ def main() -> None:
         call = (lambda m, x, c: m.model(x, past_key_values=c)) if what == "decoder" else (
             lambda m, x, c: m(x, past_key_values=c))
         result = measure(subject, call, new_cache, variants, args.rounds, args.pairs, args.sweep)
-        medians = ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in result["times"].items())
-        q1, _, q3 = statistics.quantiles(result["ratios"], n=4)
-        q2 = statistics.median(result["ratios"])
         first, second = list(variants)
-        print(f"{what}{' (sweep)' if args.sweep else ''}: {medians}; {second} / {first} per pair: median {q2:.3f} "
-              f"(quartiles {q1:.3f}-{q3:.3f}, {len(result['ratios'])} pairs)")
+        print(f"{what}{' (sweep)' if args.sweep else ''}: "
+              f"{per_pair(result['times'], result['ratios'], f'{second} / {first}')}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 SHAPES = {"gate+up 4096x640": (4096, 640), "down 640x2048": (640, 2048), "q_proj 1024x640": (1024, 640)}
 ROWS = (1, 9, 256)
@@ -114,11 +115,6 @@ def worker() -> dict:
                     batches.append((time.perf_counter() - start) / calls * 1e6)
                 out[f"{name} M={m} threads={threads}"] = min(batches)
     return out
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
 
 
 def run(csrc: str, what: list[str]) -> dict:

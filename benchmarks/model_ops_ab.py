@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from _common import per_pair
 
 NAMESPACE = "kvboost_base"
 
@@ -72,9 +73,7 @@ def pairs_of(call, ways: dict, pairs: int) -> str:
         for name, seconds in took.items():
             times[name].append(seconds)
         ratios.append(took["base"] / took["new"])
-    q1, q2, q3 = statistics.quantiles(ratios, n=4)
-    medians = ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in times.items())
-    return f"{medians}; base / new per pair: median {q2:.3f} (quartiles {q1:.3f}-{q3:.3f}, {len(ratios)} pairs)"
+    return per_pair(times, ratios, "base / new")
 
 
 def main() -> None:
