@@ -127,7 +127,7 @@ def activation_dtype(requested: torch.dtype | str, model: nn.Module) -> torch.dt
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bfloat16 natively: a CPU with AVX512-BF16 or AMX, or a CUDA GPU that
-    supports it (untested here). Elsewhere bf16 elementwise work is emulated and slower than float32."""
+    supports it. Elsewhere bf16 elementwise work is emulated and slower than float32."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     capabilities = torch.cpu.get_capabilities() if device.type == "cpu" else {}
@@ -217,7 +217,8 @@ def _resident_copy(module: AWQInt4Linear, runtime, name: str) -> Int4DraftLinear
         source = getattr(runtime, "source", None)
         if source is None or name not in source:
             raise ValueError(f"streamed weight of {name} not found in the model's host source")
-        packed = source.tensor(name).clone()
+        # the host copy (pinned RAM on CUDA) goes to the device the model computes on, in its own memory
+        packed = source.tensor(name).to(module.int4_scales_zeros.device, copy=True)
     copy_ = Int4DraftLinear(module.in_features, module.out_features, module.group_size, bias=module.bias is not None,
                             kernel=module.kernel)
     copy_.set_weight(packed, module.int4_scales_zeros)

@@ -74,7 +74,7 @@ def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g
 
 def to_int4pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Codes ``[N, K]`` -> torch's packed int4 weight for ``device`` (converted once, at load)."""
-    if device.type == "cuda":  # untested here: no CUDA machine in this project's CI
+    if device.type == "cuda":  # not in CI (no GPU): benchmarks/cuda_check.py checks it on one
         # torch's own tests pack even columns into the high nibble for the CUDA op.
         uint8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
         k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
@@ -84,6 +84,6 @@ def to_int4pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for a packed int4 weight; ``x`` is 2-D bf16 on the weight's device."""
-    if packed.device.type == "cuda":  # untested here
+    if packed.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)

@@ -1,5 +1,5 @@
 """Tenants on the server (--api-keys), tested as an attacker would: a second tenant probing another's
-prompt learns nothing (cached_tokens, timing), forged and absent salts, shared prefixes, per-tenant
+prompt learns nothing (cached_tokens, the model's work), forged and absent salts, shared prefixes, per-tenant
 stats and metrics, purges, quota pressure, revoked keys, and one --api-key unchanged."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import uuid
 import httpx
 import pytest
 
-from benchmarks._common import rank_sum_p
 from kvboost_hf.server.routes.tenancy import reload_on_sighup
 from kvboost_hf.store import ChunkStore
 from tests.conftest import make_tiny
@@ -69,14 +68,22 @@ def tenants_server(request, tmp_path_factory):
         yield server
 
 
-def slow_forward(model, seconds: float, per_token: float = 0.0):
-    """Make every forward of ``model`` take ``seconds`` more, plus ``per_token`` per token it forwards (a
-    prefill cost that dominates the HTTP noise, as it does on a real model)."""
+def slow_forward(model, seconds: float):
+    """Make every forward of ``model`` take ``seconds`` more."""
     def hook(module, args, kwargs, output):
-        ids = kwargs.get("input_ids")
-        time.sleep(seconds + per_token * (ids.shape[-1] if ids is not None else 0))
+        time.sleep(seconds)
 
     return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def count_forwarded(model, counts: list[int]):
+    """Append to ``counts`` the number of tokens each forward of ``model`` computes: the model's work, which is
+    what a response's time is made of on a real model."""
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        counts.append(ids.numel() if ids is not None else 0)
+
+    return model.base_model.register_forward_pre_hook(hook, with_kwargs=True)  # the batch runner calls it directly
 
 
 def test_another_tenant_probing_a_prompt_learns_nothing_from_cached_tokens(tenants_server):
@@ -99,30 +106,38 @@ def test_another_tenant_probing_a_prompt_learns_nothing_from_cached_tokens(tenan
         assert reply.status_code == 400 and "cache_salt" in reply.text
 
 
-def test_probe_timing_is_indistinguishable_from_misses(tenants_server):
-    """Interleaved probes of alice's prompt (by bob) and of texts nobody sent: one distribution by a rank-sum
-    test; the same test tells alice's own hits from misses, so it would see a leak."""
+def test_a_probe_costs_the_work_of_a_miss(tenants_server):
+    """Interleaved probes of alice's prompt (by bob), texts nobody sent, and alice's own repeats: a probe makes the
+    model compute exactly the tokens a miss of the same length computes, and alice's repeats far fewer, so no
+    timing of bob's can tell her prompt was sent. Counted, not timed: the time a request takes on a real model
+    follows this count, and wall-clock samples on a loaded CI host are noise (the timed form of this test failed
+    there). ``benchmarks/`` is the place for timings."""
     server = tenants_server
     complete(server, ALICE, SECRET)
-    handle = slow_forward(server.model, 0.0, per_token=1e-4)  # 30 ms for the whole prompt, 0.1 ms for a hit's tail
+    counts: list[int] = []
+    handle = count_forwarded(server.model, counts)
     rng = random.Random(7)
-    kinds = ["probe", "miss", "own"] * 24
+    kinds = ["probe", "miss", "own"] * 8
     rng.shuffle(kinds)
-    times: dict[str, list[float]] = {"probe": [], "miss": [], "own": []}
-    for i, kind in enumerate(kinds):
-        salt = f"t-{uuid.uuid4().hex}"
-        if kind == "own":
-            key, prompt, extra = ALICE, SECRET, {}
-        else:
-            key, prompt, extra = BOB, SECRET if kind == "probe" else text(1000 + 300 * i, 300), {
-                "cache_salt": salt}
-        start = time.perf_counter()
-        reply = complete(server, key, prompt, **extra)
-        times[kind].append(time.perf_counter() - start)
-        assert (cached(reply) > 0) == (kind == "own")
-    handle.remove()
-    assert rank_sum_p(times["own"], times["miss"]) < 1e-3, times  # the test sees a real hit
-    assert rank_sum_p(times["probe"], times["miss"]) > 1e-3, times  # and sees nothing in bob's probes
+    work: dict[str, list[int]] = {"probe": [], "miss": [], "own": []}
+    prompt_tokens: set[int] = set()
+    try:
+        for i, kind in enumerate(kinds):
+            if kind == "own":
+                key, prompt, extra = ALICE, SECRET, {}
+            else:
+                key, prompt, extra = BOB, SECRET if kind == "probe" else text(1000 + 300 * i, 300), {
+                    "cache_salt": f"t-{uuid.uuid4().hex}"}
+            del counts[:]
+            reply = complete(server, key, prompt, **extra)
+            work[kind].append(sum(counts))
+            assert (cached(reply) > 0) == (kind == "own")
+            prompt_tokens.add(reply["usage"]["prompt_tokens"])
+    finally:
+        handle.remove()
+    assert len(prompt_tokens) == 1, prompt_tokens  # every text is 300 words: one length
+    assert set(work["probe"]) == set(work["miss"]) == prompt_tokens, work  # every token computed, both
+    assert max(work["own"]) < min(prompt_tokens) // 4, work  # the count shows a real hit
 
 
 def test_a_salt_splits_a_tenants_entries_and_the_same_salt_shares(tenants_server):
