@@ -47,7 +47,7 @@ from _common import DOCS_BENCH, environment, median, memory_bandwidth_gbs, packe
 
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
-TORCH_CAPABILITY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "default"}
+TORCH_CAPABILITY = {"amx_bf16": "avx512", "avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "default"}
 # Pseudo-paths: a path with one of its host features turned off (as on a CPU without it).
 VARIANTS = {"avx512_bf16_novbmi": ("avx512_bf16", {"KVBOOST_HF_KERNEL_VBMI": "0"})}
 ONEDNN_ISA = {"avx512": "AVX512_CORE", "avx2": "AVX2", "scalar": "SSE41"}  # a host of the path's class
@@ -236,7 +236,7 @@ def worker(reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--paths", default="avx512_bf16,avx512,avx2")
+    parser.add_argument("--paths", default="avx512_bf16,avx512,avx2", help="amx_bf16 too on a CPU with AMX")
     parser.add_argument("--name", default="kernels",
                         help="file stem of the results under docs/benchmarks/ (another host class's run beside the "
                              "main one, e.g. kernels-avx2-zen3)")

@@ -18,91 +18,7 @@ namespace {
 
 constexpr int kRowTile = 8;
 
-inline __m512i code_table() {  // bf16 bits of 0.0 .. 15.0, indexed by a 16-bit lane's code
-  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
-                          0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
-}
-
-// Rows 2p and 2p + 1 of a block as bf16 codes, paired as vdpbf16ps wants: 32-bit lane j holds
-// column j of row 2p (low half) and of row 2p + 1 (high half).
-inline __m512i code_pair(const uint8_t* p, __m512i table) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
-  const __m512i hi = _mm512_and_si512(_mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F0000));
-  return _mm512_permutexvar_epi16(_mm512_or_si512(lo, hi), table);
-}
-
-// The same code pairs with AVX-512 VBMI, four k-pairs (64 bytes) per load and 4 instructions per pair
-// instead of 6: spread byte j of pair c to the four bytes of lane j, shift the upper word's copy down
-// a nibble, keep one nibble per byte and mark the high-byte indices (+16), then look both bytes of each
-// bf16 up in one 32-entry byte table. The bits are code_pair's: only the decoding differs.
-struct VbmiCodes {
-  __m512i table, shifts, nibble, high, spread[4];
-
-  VbmiCodes() {
-    alignas(64) uint8_t t[64] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x10, 0x20, 0x30, 0x40,
-                                 0x50, 0x60, 0x70, 0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41,
-                                 0x41, 0x41, 0x41, 0x41, 0x41, 0x41};  // low, then high bytes of bf16(0..15)
-    table = _mm512_load_si512(t);
-    shifts = _mm512_set1_epi32(4 << 16);  // the lane's upper word (its odd row's code) down a nibble
-    nibble = _mm512_set1_epi32(0x0F0F0F0F);
-    high = _mm512_set1_epi32(0x10001000);
-    for (int c = 0; c < 4; ++c) {
-      alignas(64) uint8_t idx[64];
-      for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint8_t>(16 * c + j / 4);
-      spread[c] = _mm512_load_si512(idx);
-    }
-  }
-
-  inline __m512i pair(__m512i src, int c) const {
-    const __m512i v = _mm512_srlv_epi16(_mm512_permutexvar_epi8(spread[c], src), shifts);
-    return looked_up(v);
-  }
-
-  // (v & nibble) | high, looked up: the bf16 bits of the nibble in each byte's low half.
-  inline __m512i looked_up(__m512i v) const {
-    return _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(v, nibble, high, 0xEA), table);
-  }
-};
-
-// The same code pairs in 3 instructions per pair instead of 4, for tiles of one or two rows, where the
-// decoding is most of the work (4096 x 640 at one row, in cache: 70 -> 62 us a thread): one vpermb per
-// 64 bytes gathers the 8 bytes of columns 2q and 2q + 1 (all four k-pairs) into qword q; then per pair
-// one vpmultishiftqb moves each code's nibble to the low half of the bytes of its bf16, which
-// looked_up() finishes. With more rows it measured slower (9 rows: 216 -> 259 us): it competes with
-// vdpbf16ps for a port, and there the decoding is shared by every row anyway.
-struct MultishiftCodes {
-  __m512i gather, select[4];
-
-  MultishiftCodes() {
-    alignas(64) uint8_t g[64];
-    for (int q = 0; q < 8; ++q)
-      for (int c = 0; c < 4; ++c) {
-        g[8 * q + 2 * c] = static_cast<uint8_t>(16 * c + 2 * q);
-        g[8 * q + 2 * c + 1] = static_cast<uint8_t>(16 * c + 2 * q + 1);
-      }
-    gather = _mm512_load_si512(g);
-    for (int c = 0; c < 4; ++c) {
-      alignas(64) uint8_t m[64];
-      for (int j = 0; j < 16; ++j) {  // lane j: column j's byte of pair c, low nibble twice, then high
-        const uint8_t bit = static_cast<uint8_t>(8 * (2 * c + j % 2));
-        m[4 * j] = m[4 * j + 1] = bit;
-        m[4 * j + 2] = m[4 * j + 3] = static_cast<uint8_t>(bit + 4);
-      }
-      select[c] = _mm512_load_si512(m);
-    }
-  }
-
-  inline __m512i gathered(__m512i src) const { return _mm512_permutexvar_epi8(gather, src); }
-  inline __m512i pair(__m512i gathered_src, int c, const VbmiCodes& codes) const {
-    return codes.looked_up(_mm512_multishift_epi64_epi8(select[c], gathered_src));
-  }
-};
-
-inline const MultishiftCodes& multishift_codes() {
-  static const MultishiftCodes shifted;
-  return shifted;
-}
+#include "int4_codes.inc"
 
 inline __m512i x_pair(const uint16_t* x) {
   int32_t bits;
@@ -328,6 +244,19 @@ constexpr int64_t kFusedRows[2] = {4, 12};
 
 int64_t strip_words(int64_t m, int64_t k, bool vbmi) { return m > kFusedRows[vbmi] ? k * 8 : 0; }
 
+void decode_codes(const uint8_t* qb, int64_t k, uint32_t* strip, bool vbmi) {
+  if (vbmi && k % 8 == 0) {  // four pairs per 64 bytes read: the same words as code_pair's
+    static const VbmiCodes codes;
+    for (int64_t i = 0; i < k; i += 8) {
+      const __m512i src = _mm512_loadu_si512(qb + 8 * i);
+      for (int c = 0; c < 4; ++c) _mm512_storeu_si512(strip + 8 * (i + 2 * c), codes.pair(src, c));
+    }
+    return;
+  }
+  const __m512i table = code_table();
+  for (int64_t i = 0; i < k; i += 2) _mm512_storeu_si512(strip + 8 * i, code_pair(qb + 8 * i, table));
+}
+
 // One block (two or four for one or two rows), `b` advanced past all but the last; m <= kFusedRows[VBMI].
 template <bool VBMI>
 void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_t qstride, const float* sb,
@@ -383,7 +312,7 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
         few_rows<false>(x, m, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, b, b1, codes);
       continue;
     }
-    for (int64_t i = 0; i < k; i += 2) _mm512_storeu_si512(strip + 8 * i, code_pair(qb + 8 * i, table));
+    decode_codes(qb, k, strip, false);
     for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
       const int64_t rows = m - r0 < kRowTile ? m - r0 : kRowTile;
       const uint16_t* xr = x + r0 * k;

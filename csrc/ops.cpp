@@ -15,7 +15,7 @@
 
 namespace {
 
-enum Level : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum Level : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 // Calls fn of the path for `level` (AVX-512 BF16 runs the AVX-512 kernels except where ops say otherwise).
 #define KVB_BY_LEVEL(level, fn, ...)      \
@@ -27,7 +27,7 @@ int64_t host_level() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
-    return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
+    return !__builtin_cpu_supports("avx512bf16") ? kAvx512 : kvb_amx::tiles_granted() ? kAmx : kAvx512Bf16;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
   return kScalar;
 }
@@ -62,6 +62,16 @@ int64_t set_level(int64_t wanted) {
 
 int64_t get_level() { return g_level.load(); }
 int64_t get_host_level() { return host_level(); }
+
+// A buffer of at least n T's for this thread, kept for its later calls: the int4 strips are up to 128 KB, and a
+// fresh vector each call zeroed them, and from 128 KB on glibc maps and unmaps them (page faults every call:
+// on AMX that made a one-row 2048 x 640 projection 1.6x slower than the whole computation after it).
+template <class T>
+T* thread_scratch(size_t n) {
+  static thread_local std::vector<T> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
 
 // Runs per_thread(take) on each thread of a parallel region over [0, n) in chunks of `chunk`; take(c0, c1)
 // gives a thread the next chunk not yet taken, false once none is left. Threads take chunks as they finish
@@ -200,7 +210,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous CPU [N, K] tensor");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % 16 == 0, "in_features must be a multiple of 16, got ", k);
-  if (get_level() == kAvx512Bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+  if (get_level() >= kAvx512Bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
       k % 32 == 0 && x.device().is_cpu() && x.dim() == 2 && x.size(1) == k) {
     const at::Tensor xb = x.contiguous();
     const int64_t m = xb.size(0);
@@ -358,8 +368,10 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
     starts.push_back(starts.back() + w.blocks);
   }
   const int64_t blocks = starts.back(), ldo = 16 * blocks;
-  // bf16 activations on the AVX-512 BF16 path: its own numerics (gemm_avx512bf16.cpp); else float32 fmas
-  const bool bf16 = level == kAvx512Bf16 && (bf16_inputs || x.scalar_type() == at::kBFloat16);
+  // bf16 activations on the AVX-512 BF16 and AMX paths: numerics of their own (gemm_avx512bf16.cpp,
+  // gemm_amx.cpp; AMX for groups of whole tiles' k); else float32 fmas
+  const bool bf16 = level >= kAvx512Bf16 && (bf16_inputs || x.scalar_type() == at::kBFloat16);
+  const bool amx = bf16 && level == kAmx && group % 32 == 0;
   const at::Tensor xc = bf16 ? x.to(at::kBFloat16).contiguous() : gemm_rows(x, bf16_inputs);
   const int64_t m = xc.size(0);
   at::Tensor out = at::empty({m, ldo}, xc.options().dtype(at::kFloat));
@@ -371,20 +383,25 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
     kvb_group_sums(xc.data_ptr<float>(), m, k, group, xs.data());
   const bool vbmi = bf16 && vbmi_decoding(group);  // once: the strip's size depends on it
   balanced_for(blocks, chunk_of(blocks, 4), [&](const auto& take) {
-    std::vector<uint32_t> strip_bf16(bf16 ? kvb_avx512bf16::strip_words(m, k, vbmi) : 0);
-    std::vector<float> strip(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
+    uint32_t* strip_bf16 = thread_scratch<uint32_t>(amx    ? kvb_amx::strip_words(m, k, group)
+                                                    : bf16 ? kvb_avx512bf16::strip_words(m, k, vbmi)
+                                                           : 0);
+    float* strip = thread_scratch<float>(!bf16 && m > KVB_MIN_ROW_TILE ? k * 16 : 0);
     for (int64_t g0, g1; take(g0, g1);) {
       for (size_t i = 0; i < ws.size(); ++i) {  // the blocks of [g0, g1) that belong to weight i
         const int64_t b0 = std::max(g0, starts[i]) - starts[i], b1 = std::min(g1, starts[i + 1]) - starts[i];
         if (b0 >= b1) continue;
         const KvbInt4Weight& w = ws[i];
-        if (bf16)
+        if (amx)
+          kvb_amx::int4_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, w.q, w.scales, w.zeros, group,
+                               xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16);
+        else if (bf16)
           kvb_avx512bf16::int4_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, k, w.q, w.scales,
-                                      w.zeros, group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16.data(),
+                                      w.zeros, group, xs.data(), b0, b1, op + offsets[i], ldo, strip_bf16,
                                       vbmi);
         else
           KVB_BY_LEVEL(level, int4_blocks, xc.data_ptr<float>(), m, k, w.q, w.scales, w.zeros, group, xs.data(),
-                       b0, b1, op + offsets[i], ldo, strip.data());
+                       b0, b1, op + offsets[i], ldo, strip);
       }
     }
   });

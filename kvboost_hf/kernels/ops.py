@@ -14,11 +14,12 @@ from kvboost_hf.kernels.layout import DenseBlocks, Int4Blocks, Int8Blocks
 
 logger = logging.getLogger(__name__)
 
-# avx512_bf16 differs from avx512 only for int4 weights with bf16 activations (vdpbf16ps: its own bits).
-ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+# avx512_bf16 differs from avx512 only for int4 weights with bf16 activations (vdpbf16ps: its own bits);
+# amx_bf16 from avx512_bf16 only there too, for group sizes a multiple of 32 (AMX tiles: bits of their own).
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16")
 ISA_ENV = "KVBOOST_HF_KERNEL_ISA"  # force a path (lowered to what the CPU has)
 VBMI_ENV = "KVBOOST_HF_KERNEL_VBMI"  # "0": the avx512_bf16 path decodes int4 without VBMI (see set_vbmi)
-_TORCH_CAPABILITY = {"AVX512": "avx512_bf16", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
+_TORCH_CAPABILITY = {"AVX512": "amx_bf16", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the attention and norm ops take
 
@@ -85,6 +86,8 @@ def int4_numerics() -> str:
         return "kvboost-int4-unbuilt"
     if current_isa() == "avx512_bf16":
         return "kvboost-int4-bf16dot-v1"
+    if current_isa() == "amx_bf16":
+        return "kvboost-int4-amx-v1"
     version = torch.ops.kvboost.int4_numerics_version() if hasattr(torch.ops.kvboost, "int4_numerics_version") else 1
     return f"kvboost-int4-fma-v{version}"
 

@@ -1,5 +1,6 @@
 """The store namespace of an int4 model names the bits its kernel computes: the avx512_bf16 path's int4
-numerics are its own, so K/V stored by a host on that path never serve a host (or a process) on another."""
+numerics are its own, and so are the amx_bf16 path's, so K/V stored by a host on such a path never serve a host
+(or a process) on another."""
 
 from __future__ import annotations
 
@@ -40,10 +41,13 @@ def test_the_namespace_follows_the_int4_numerics_of_the_isa_path(tiny_awq):
             numerics[isa] = kernels.int4_numerics()
     finally:
         kernels.select_isa(None)
-    fma = {keys[isa][0] for isa in paths if isa != "avx512_bf16"}
+    own = {"avx512_bf16": "kvboost-int4-bf16dot-v1", "amx_bf16": "kvboost-int4-amx-v1"}  # bits of their own
+    fma = {keys[isa][0] for isa in paths if isa not in own}
     assert len(fma) == 1  # scalar, avx2 and avx512 compute the same bits: one namespace
-    assert {numerics[isa] for isa in paths if isa != "avx512_bf16"} == {"kvboost-int4-fma-v2"}
-    if "avx512_bf16" in keys:
-        assert keys["avx512_bf16"][0] not in fma and numerics["avx512_bf16"] == "kvboost-int4-bf16dot-v1"
+    assert {numerics[isa] for isa in paths if isa not in own} == {"kvboost-int4-fma-v2"}
+    for isa in own.keys() & keys.keys():
+        assert keys[isa][0] not in fma and numerics[isa] == own[isa], isa
+    if own.keys() <= keys.keys():
+        assert keys["avx512_bf16"][0] != keys["amx_bf16"][0]
     assert len({key for _, key in keys.values()}) == 1  # torch's kernel: its namespace as before
     assert all(key not in fma for _, key in keys.values())  # and never one of ours

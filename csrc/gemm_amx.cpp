@@ -1,0 +1,166 @@
+// AMX path (amx_bf16): int4 weights with bf16 activations on AMX tiles, with numerics of their own.
+// Per output element, per group g in order:
+//   t = the group's dot product of x with 128 + q (q the code 0..15; 128 + q exact in bf16, whose bits are
+//       0x4300 | q: decoded without a table) as TDPBF16PS computes it, 32 k per instruction, the group's
+//       instructions in order, from 0;
+//   acc = acc + s * (t - (z + 128) * xs[g])   (each operation rounded; xs the avx512_bf16 path's pair sums).
+// That is (q - z) * s summed; the offset costs t about 4 of fp32's 24 bits (|t| ~ 128 sum |x| against
+// ~7.5 sum |x|), far below the bf16 the result is rounded to. TDPBF16PS does not round like a chain of fp32
+// fmas or like vdpbf16ps (measured on Sapphire Rapids: ~2% of sums differ from either), so this is a path of
+// its own, used for every M: a tile of 1 to 16 rows computes each row with the same instructions on the same
+// data, so rows are bit-independent here too. Groups must be multiples of 32 (one instruction's k): ops.cpp
+// runs others on the avx512_bf16 path. Compiled for AMX, called only where the CPU has it (and VBMI, which
+// the decoding uses) and Linux granted this process the tile state.
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "kvboost_kernels.h"
+
+namespace kvb_amx {
+namespace {
+
+#include "int4_codes.inc"
+
+constexpr int kRows = 16;  // rows of an A and a C tile
+constexpr int64_t kChunk = 32;  // k per TDPBF16PS
+constexpr int64_t kMaxGroup = 256;  // groups up to this size are decoded one at a time for one row tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-1: C of two column blocks (rows x 16 fp32); 2: A (rows x 32 bf16); 3-4: B of the two blocks
+// (16 k-pairs x 16 columns, the pair of a column in one dword: the strip's layout).
+void configure(int rows) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 3; ++t) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = 64;
+  for (int t = 3; t < 5; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+inline void close_rows(float* acc, const float* t, int rows, const float* s, const float* z, const float* xs,
+                       int64_t groups) {
+  const __m512 sv = _mm512_loadu_ps(s), zv = _mm512_add_ps(_mm512_loadu_ps(z), _mm512_set1_ps(128.0f));
+  for (int r = 0; r < rows; ++r) {
+    const __m512 u = _mm512_sub_ps(_mm512_loadu_ps(t + 16 * r), _mm512_mul_ps(zv, _mm512_set1_ps(xs[r * groups])));
+    _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), _mm512_mul_ps(sv, u)));
+  }
+}
+
+// Rows [r0, r0 + rows) of k of a block's codes (rows a multiple of 8) into strip + 8 * r0 as bf16 pairs of
+// 128 + q (exact: bf16 0x4300 | q, so no table lookup: two instructions a pair after VBMI's gather).
+inline void decode_rows(const uint8_t* q, int64_t r0, int64_t rows, uint32_t* strip) {
+  const MultishiftCodes& shifted = multishift_codes();
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F), offset = _mm512_set1_epi32(0x43004300);
+  for (int64_t i = r0; i < r0 + rows; i += 8) {  // 64 bytes: 8 rows, 4 pairs
+    const __m512i src = shifted.gathered(_mm512_loadu_si512(q + 8 * i));
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_multishift_epi64_epi8(shifted.select[c], src);
+      _mm512_storeu_si512(strip + 8 * (i + 2 * c), _mm512_ternarylogic_epi32(v, nibble, offset, 0xEA));
+    }
+  }
+}
+
+// Rows [0, rows) of x against NB (1 or 2) blocks, into acc [NB][rows][16] (which holds the sum so far). The
+// blocks' codes are in strips[] (every row tile of a call reads them), or, with NOW (one row tile), are
+// decoded there a group at a time just before its instructions read them from L1: the same words. NOW also
+// prefetches the same rows of the next pass's blocks (`next` bytes on) into L2: a block's K x 8 bytes are too
+// short a stream for the hardware prefetcher when a decode step reads the weights from DRAM.
+template <int NB, bool NOW>
+void row_tile(const uint16_t* x, int64_t k, int rows, const uint32_t* const* strips, const uint8_t* const* qb,
+              int64_t next, const float* const* sb, const float* const* zb, int64_t group, const float* xs,
+              int64_t groups, float* acc) {
+  alignas(64) float t[NB][kRows * 16];
+  alignas(64) uint32_t now[NOW ? NB : 1][NOW ? kMaxGroup * 8 : 16];  // a group's words, rows from g0
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
+    const uint32_t* words[NB];
+    for (int b = 0; b < NB; ++b) words[b] = strips[b] + 8 * g0;
+    if constexpr (NOW)
+      for (int b = 0; b < NB; ++b) {
+        decode_rows(qb[b] + 8 * g0, 0, group, now[b]);
+        words[b] = now[b];
+        for (int64_t i = g0; i < g0 + group; i += 8)
+          _mm_prefetch(reinterpret_cast<const char*>(qb[b] + next + 8 * i), _MM_HINT_T1);
+      }
+    _tile_zero(0);
+    if (NB > 1) _tile_zero(1);
+    for (int64_t c = 0; c < group; c += kChunk) {
+      _tile_loadd(2, x + g0 + c, k * 2);
+      _tile_loadd(3, words[0] + 8 * c, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      if constexpr (NB > 1) {
+        _tile_loadd(4, words[NB - 1] + 8 * c, 64);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+    }
+    _tile_stored(0, t[0], 64);
+    if (NB > 1) _tile_stored(1, t[NB - 1], 64);
+    for (int b = 0; b < NB; ++b)
+      close_rows(acc + b * kRows * 16, t[b], rows, sb[b] + 16 * gi, zb[b] + 16 * gi, xs + gi, groups);
+  }
+}
+
+}  // namespace
+
+bool tiles_granted() {
+  static const bool granted = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512vbmi"))  // every AMX CPU so far has it; the decoding needs it
+      return false;
+    // Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return granted;
+}
+
+int64_t strip_words(int64_t m, int64_t k, int64_t group) { return m > kRows || group > kMaxGroup ? 2 * k * 8 : 0; }
+
+void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
+                 int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip) {
+  if (m <= 0 || b0 >= b1) return;
+  const int64_t groups = k / group, qstride = k * 8, sstride = groups * 16;
+  const bool now = m <= kRows && group <= kMaxGroup;  // one row tile: a group's codes decoded as it is used
+  alignas(64) float acc[2 * kRows * 16];
+  int configured = 0;
+  for (int64_t b = b0; b < b1; b += 2) {
+    const int nb = b + 1 < b1 ? 2 : 1;
+    uint32_t* strips[2] = {strip, strip + k * 8};  // unused (none given) where `now`
+    const uint8_t* qb[2] = {q + b * qstride, q + (b + nb - 1) * qstride};
+    const float *sb[2], *zb[2];
+    for (int i = 0; i < nb; ++i) {
+      if (!now) decode_rows(qb[i], 0, k, strips[i]);
+      sb[i] = scales + (b + i) * sstride;
+      zb[i] = zeros + (b + i) * sstride;
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int rows = static_cast<int>(m - r0 < kRows ? m - r0 : kRows);
+      if (rows != configured) configure(configured = rows);
+      std::memset(acc, 0, sizeof acc);
+      const uint16_t* xr = x + r0 * k;
+      const float* xsr = xs + r0 * groups;
+      if (now && nb == 2)
+        row_tile<2, true>(xr, k, rows, strips, qb, 2 * qstride, sb, zb, group, xsr, groups, acc);
+      else if (now)
+        row_tile<1, true>(xr, k, rows, strips, qb, 2 * qstride, sb, zb, group, xsr, groups, acc);
+      else if (nb == 2)
+        row_tile<2, false>(xr, k, rows, strips, qb, 2 * qstride, sb, zb, group, xsr, groups, acc);
+      else
+        row_tile<1, false>(xr, k, rows, strips, qb, 2 * qstride, sb, zb, group, xsr, groups, acc);
+      for (int i = 0; i < nb; ++i)
+        for (int r = 0; r < rows; ++r)
+          std::memcpy(out + (r0 + r) * ldo + 16 * (b + i), acc + (i * kRows + r) * 16, 16 * sizeof(float));
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace kvb_amx
