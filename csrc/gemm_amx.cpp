@@ -1,22 +1,22 @@
 // AMX path (amx_bf16): int4 weights with bf16 activations on AMX tiles, with numerics of their own.
 // Per output element, per group g in order:
-//   t = the group's dot product of x with 128 + q (q the code 0..15; 128 + q exact in bf16, whose bits are
-//       0x4300 | q: decoded without a table) as TDPBF16PS computes it, 32 k per instruction, the group's
-//       instructions in order, from 0;
-//   acc = acc + s * (t - (z + 128) * xs[g])   (each operation rounded; xs the avx512_bf16 path's pair sums).
-// That is (q - z) * s summed; the offset costs t about 4 of fp32's 24 bits (|t| ~ 128 sum |x| against
-// ~7.5 sum |x|), far below the bf16 the result is rounded to. TDPBF16PS does not round like a chain of fp32
-// fmas or like vdpbf16ps (measured on Sapphire Rapids: ~2% of sums differ from either), so this is a path of
-// its own, used for every M: a tile of 1 to 16 rows computes each row with the same instructions on the same
-// data, so rows are bit-independent here too. Groups must be multiples of 32 (one instruction's k): ops.cpp
-// runs others on the avx512_bf16 path. Compiled for AMX, called only where the CPU has it (and VBMI, which
-// the decoding uses) and Linux granted this process the tile state.
+//   t = the group's dot product of x with the codes q (0..15, exact in bf16) as TDPBF16PS computes it,
+//       32 k per instruction, the group's instructions in order, from 0;
+//   acc = acc + s * (t - z * xs[g])   (each operation rounded; xs the avx512_bf16 path's pair sums).
+// TDPBF16PS does not round like a chain of fp32 fmas or like vdpbf16ps (measured on Sapphire Rapids: ~2% of
+// sums differ from either), so this is a path of its own, used for every M: a tile of 1 to 16 rows computes
+// each row with the same instructions on the same data, so rows are bit-independent here too. How it rounds
+// is the hardware's, undocumented: the store namespace carries a fingerprint of it (amx_fingerprint).
+// Groups must be multiples of 32 (one instruction's k): ops.cpp runs others on the avx512_bf16 path.
+// Compiled for AMX, called only where the CPU has it (and VBMI, which the decoding uses) and Linux granted
+// this process the tile state.
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <vector>
 
 #include "kvboost_kernels.h"
 
@@ -48,24 +48,21 @@ void configure(int rows) {
 
 inline void close_rows(float* acc, const float* t, int rows, const float* s, const float* z, const float* xs,
                        int64_t groups) {
-  const __m512 sv = _mm512_loadu_ps(s), zv = _mm512_add_ps(_mm512_loadu_ps(z), _mm512_set1_ps(128.0f));
+  const __m512 sv = _mm512_loadu_ps(s), zv = _mm512_loadu_ps(z);
   for (int r = 0; r < rows; ++r) {
     const __m512 u = _mm512_sub_ps(_mm512_loadu_ps(t + 16 * r), _mm512_mul_ps(zv, _mm512_set1_ps(xs[r * groups])));
     _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), _mm512_mul_ps(sv, u)));
   }
 }
 
-// Rows [r0, r0 + rows) of k of a block's codes (rows a multiple of 8) into strip + 8 * r0 as bf16 pairs of
-// 128 + q (exact: bf16 0x4300 | q, so no table lookup: two instructions a pair after VBMI's gather).
+// Rows [r0, r0 + rows) of k of a block's codes (rows a multiple of 8) into strip + 8 * r0 as bf16 pairs,
+// decoded with VBMI as the avx512_bf16 path decodes for one or two rows (three instructions a pair).
 inline void decode_rows(const uint8_t* q, int64_t r0, int64_t rows, uint32_t* strip) {
+  static const VbmiCodes codes;
   const MultishiftCodes& shifted = multishift_codes();
-  const __m512i nibble = _mm512_set1_epi32(0x000F000F), offset = _mm512_set1_epi32(0x43004300);
   for (int64_t i = r0; i < r0 + rows; i += 8) {  // 64 bytes: 8 rows, 4 pairs
     const __m512i src = shifted.gathered(_mm512_loadu_si512(q + 8 * i));
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_multishift_epi64_epi8(shifted.select[c], src);
-      _mm512_storeu_si512(strip + 8 * (i + 2 * c), _mm512_ternarylogic_epi32(v, nibble, offset, 0xEA));
-    }
+    for (int c = 0; c < 4; ++c) _mm512_storeu_si512(strip + 8 * (i + 2 * c), shifted.pair(src, c, codes));
   }
 }
 
@@ -120,6 +117,34 @@ bool tiles_granted() {
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   }();
   return granted;
+}
+
+int64_t fingerprint() {
+  if (!tiles_granted()) return 0;
+  // 16 rows x 32 columns over K = 512 in one group, scale 1 and zero 0 (so the outputs are the sums t), of
+  // activations spread over 2^-20 .. 2^20 with both signs: sums whose rounding shows how the instructions
+  // round and in what order they add. FNV-1a over the float bits.
+  constexpr int64_t m = 16, k = 512, blocks = 2;
+  std::vector<uint16_t> x(m * k);
+  std::vector<uint8_t> q(blocks * k * 8);
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto next = [&state] { return (state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
+  for (uint16_t& v : x) {
+    const uint64_t r = next();
+    v = static_cast<uint16_t>(((r & 1) << 15) | ((127 - 20 + (r >> 1) % 41) << 7) | ((r >> 8) & 0x7F));
+  }
+  for (uint8_t& b : q) b = static_cast<uint8_t>(next());
+  std::vector<float> scales(blocks * 16, 1.0f), zeros(blocks * 16, 0.0f), xs(m, 0.0f), out(m * blocks * 16);
+  std::vector<uint32_t> strip(strip_words(m, k, k));
+  int4_blocks(x.data(), m, k, q.data(), scales.data(), zeros.data(), k, xs.data(), 0, blocks, out.data(),
+              blocks * 16, strip.data());
+  uint64_t hash = 0xCBF29CE484222325ull;
+  for (float f : out) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    for (int i = 0; i < 4; ++i) hash = (hash ^ ((bits >> (8 * i)) & 0xFF)) * 0x100000001B3ull;
+  }
+  return static_cast<int64_t>(hash >> 1);  // a non-negative int64
 }
 
 int64_t strip_words(int64_t m, int64_t k, int64_t group) { return m > kRows || group > kMaxGroup ? 2 * k * 8 : 0; }

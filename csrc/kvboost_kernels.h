@@ -112,10 +112,14 @@ void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64
 }
 
 // The AMX path (gemm_amx.cpp): int4 weights with bf16 activations on tiles, group sizes a multiple of 32,
-// numerics of its own; everything else as the AVX-512 BF16 path. `strip` holds strip_words(k) uint32.
+// numerics of its own; everything else as the AVX-512 BF16 path. `strip` holds strip_words(m, k, group) uint32
+// (none for one row tile: its codes are decoded a group at a time into a buffer of its own).
 namespace kvb_amx {
 bool tiles_granted();  // the CPU has AMX-BF16 and Linux gave this process the tile state (asked once)
 int64_t strip_words(int64_t m, int64_t k, int64_t group);
+// A hash of the bits int4_blocks computes on fixed inputs that expose TDPBF16PS's rounding (0 without AMX):
+// how it rounds is undocumented and may differ between CPU generations, so the store namespace names it.
+int64_t fingerprint();
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
 }

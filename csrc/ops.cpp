@@ -63,9 +63,9 @@ int64_t set_level(int64_t wanted) {
 int64_t get_level() { return g_level.load(); }
 int64_t get_host_level() { return host_level(); }
 
-// A buffer of at least n T's for this thread, kept for its later calls: the int4 strips are up to 128 KB, and a
-// fresh vector each call zeroed them, and from 128 KB on glibc maps and unmaps them (page faults every call:
-// on AMX that made a one-row 2048 x 640 projection 1.6x slower than the whole computation after it).
+// A buffer of at least n T's for this thread, kept for its later calls: the int4 strips are 32-64 bytes per k
+// (128 KB at K = 2048), and a fresh vector each call zeroed them, and from 128 KB on glibc maps and unmaps them
+// (page faults every call: on AMX that made a one-row 2048 x 640 projection 1.6x slower than after the change).
 template <class T>
 T* thread_scratch(size_t n) {
   static thread_local std::vector<T> buffer;
@@ -427,6 +427,10 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("host_isa_level() -> int", &get_host_level);
   m.def("set_vbmi(bool allowed) -> bool", &set_vbmi);
   m.def("int4_numerics_version() -> int", [] { return KVB_INT4_NUMERICS_VERSION; });
+  m.def("amx_fingerprint() -> int", [] {
+    static const int64_t fingerprint = kvb_amx::fingerprint();
+    return fingerprint;
+  });
 }
 
 TORCH_LIBRARY_IMPL(kvboost, CPU, m) {

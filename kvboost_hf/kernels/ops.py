@@ -79,15 +79,17 @@ def set_vbmi(allowed: bool) -> bool:
 
 def int4_numerics() -> str:
     """The name of the bits the int4 op computes now (bf16 activations, as AWQ linears give it): the
-    avx512_bf16 path has its own (``vdpbf16ps``, scale per group); scalar, avx2 and avx512 share theirs, whose
-    version the built library says (one built from sources older than that op computes v1). Without a built
-    library no int4 op computes anything: ``"kvboost-int4-unbuilt"``."""
+    avx512_bf16 path has its own (``vdpbf16ps``, scale per group); amx_bf16 too (``TDPBF16PS``), named with a
+    fingerprint of how this CPU's tiles round (also for a model whose groups are not a multiple of 32, which
+    computes avx512_bf16's bits there: such a model's entries are not shared between the two paths); scalar,
+    avx2 and avx512 share theirs, whose version the built library says (one built from sources older than that
+    op computes v1). Without a built library no int4 op computes anything: ``"kvboost-int4-unbuilt"``."""
     if not loaded():
         return "kvboost-int4-unbuilt"
     if current_isa() == "avx512_bf16":
         return "kvboost-int4-bf16dot-v1"
-    if current_isa() == "amx_bf16":
-        return "kvboost-int4-amx-v1"
+    if current_isa() == "amx_bf16":  # how TDPBF16PS rounds is the CPU's: its fingerprint names it
+        return f"kvboost-int4-amx-v1-{torch.ops.kvboost.amx_fingerprint():016x}"
     version = torch.ops.kvboost.int4_numerics_version() if hasattr(torch.ops.kvboost, "int4_numerics_version") else 1
     return f"kvboost-int4-fma-v{version}"
 
