@@ -1,0 +1,171 @@
+"""The bf16-activation paths, whose int4 numerics are their own: avx512_bf16 (vdpbf16ps) against its definition
+written in torch, bit for bit; amx_bf16 (AMX tiles) rows bit-independent and close to that definition; both
+falling back to the best path there is on CPUs without them."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost_hf import kernels
+from tests.conftest import torch_threads
+from tests.kernels.test_gemm import random_int4
+
+
+def emulated_bf16_path(x: torch.Tensor, blocks) -> torch.Tensor:
+    """The avx512_bf16 path's definition in torch, one rounded float32 operation at a time: per group,
+    t sums x * q over the group's k-pairs in order, the odd element of a pair first (a bf16 x code
+    product is exact), xs sums x alone the same way, then acc = acc + s * (t - z * xs)."""
+    nb, k = blocks.qweight.shape[:2]
+    pairs = blocks.qweight.reshape(nb, k // 2, 1, 16)
+    q = torch.cat([pairs & 0xF, pairs >> 4], dim=2).reshape(nb, k, 16).transpose(1, 2).reshape(-1, k).float()
+    g = blocks.group_size
+    s = blocks.scales.transpose(0, 1).reshape(k // g, -1)  # [K/G, NB*16]
+    z = blocks.zeros.transpose(0, 1).reshape(k // g, -1)
+    xf = x.float()
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for gi in range(k // g):
+        t = torch.zeros_like(acc)
+        xs = torch.zeros(x.shape[0], 1)
+        for p in range(gi * g, (gi + 1) * g, 2):
+            for i in (p + 1, p):
+                t = t + xf[:, i : i + 1] * q[:, i]
+                xs = xs + xf[:, i : i + 1]
+        acc = acc + s[gi] * (t - z[gi] * xs)
+    return acc[:, : blocks.out_features]
+
+
+def has_path(built, isa: str) -> bool:
+    return kernels.ISA_LEVELS.index(built.host_isa) >= kernels.ISA_LEVELS.index(isa)
+
+
+def assert_bf16_path_falls_back(built, run) -> None:
+    """On a CPU without AVX-512 BF16, asking for that path gives the best path there is, with the
+    float32 paths' bits (those of the scalar path)."""
+    try:
+        assert kernels.select_isa("avx512_bf16") == built.host_isa
+        got = run()
+        kernels.select_isa("scalar")
+        assert torch.equal(got, run())
+    finally:
+        kernels.select_isa(None)
+
+
+def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built):
+    if not has_path(built, "avx512_bf16"):
+        blocks = random_int4(32, 64, 32, True, seed=6)[0]
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        assert_bf16_path_falls_back(built, lambda: kernels.int4_linear(x, blocks))
+        return
+    try:
+        kernels.select_isa("avx512_bf16")
+        blocks = random_int4(72, 256, 64, True, seed=6)[0]
+        x = torch.randn(70, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+        out = torch.ops.kvboost.int4_linear(x, blocks.qweight, blocks.scales, blocks.zeros, 64, 72)
+        assert out.dtype == torch.bfloat16
+        raw = emulated_bf16_path(x, blocks)
+        assert torch.equal(out, raw.to(torch.bfloat16))
+        # codes decoded in registers up to 12 rows (4 without VBMI, as on Cooper Lake), into a strip above
+        for vbmi in (True, False):
+            kernels.set_vbmi(vbmi)
+            for m in (*range(1, 14), 17, 64):
+                assert torch.equal(kernels.int4_linear(x[:m], blocks), out[:m]), (vbmi, m)
+        kernels.set_vbmi(True)
+        with torch_threads(1):
+            assert torch.equal(kernels.int4_linear(x, blocks), out)
+        # float32 activations keep the float32 paths' bits on this level
+        xf = x.float()
+        fp32 = kernels.int4_linear(xf, blocks)
+        kernels.select_isa("scalar")
+        assert torch.equal(kernels.int4_linear(xf, blocks), fp32)
+    finally:
+        kernels.select_isa(None)
+        kernels.set_vbmi(True)
+
+
+def emulated_bf16_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The avx512_bf16 path for a row-major bf16 weight and bf16 activations, written in torch: lane j
+    of chunk c takes k = 32c + 2j + 1 then 32c + 2j (exact products, one rounding per sum), then the
+    fixed tree over the 16 lanes."""
+    m, k = x.shape
+    xs = x.float().reshape(m, 1, k // 32, 16, 2)
+    ws = weight.float().reshape(1, -1, k // 32, 16, 2)
+    acc = torch.zeros(m, weight.shape[0], 16)
+    for c in range(k // 32):
+        acc = acc + xs[:, :, c, :, 1] * ws[:, :, c, :, 1]
+        acc = acc + xs[:, :, c, :, 0] * ws[:, :, c, :, 0]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half : 2 * half]
+    return acc[..., 0]
+
+
+def test_the_avx512_bf16_row_major_path_is_its_definition(built):
+    gen = torch.Generator().manual_seed(12)
+    weight = torch.randn(70, 192, generator=gen).to(torch.bfloat16)
+    x = torch.randn(20, 192, generator=gen).to(torch.bfloat16)
+    if not has_path(built, "avx512_bf16"):
+        assert_bf16_path_falls_back(built, lambda: kernels.linear(x, weight))
+        return
+    try:
+        kernels.select_isa("avx512_bf16")
+        out = kernels.linear(x, weight)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, emulated_bf16_rows(x, weight).to(torch.bfloat16))
+        for m in (1, 2, 5, 6, 9, 10, 19):  # passes of 6 rows and more prefetch the weight
+            assert torch.equal(kernels.linear(x[:m], weight), out[:m]), m
+        kernels.select_isa("avx512")  # float32 activations, or another path: the float32 order
+        assert torch.equal(kernels.linear(x, weight), kernels.linear(x.float(), weight).to(torch.bfloat16))
+        if has_path(built, "amx_bf16"):  # AMX changes int4 only: row-major bf16 weights as avx512_bf16
+            kernels.select_isa("amx_bf16")
+            assert torch.equal(kernels.linear(x, weight), out)
+    finally:
+        kernels.select_isa(None)
+
+
+def test_the_amx_path_keeps_rows_independent_and_differs_only_where_it_says(built):
+    """amx_bf16: int4 with bf16 activations on AMX tiles for groups of a multiple of 32, in every row count (a
+    row's bits never depend on how many rows share its tiles, where in them it sits, nor on threads); close to
+    the avx512_bf16 path's definition (TDPBF16PS rounds inside an instruction its own way, and the codes are
+    offset by 128); groups of 16 and float32 activations keep the other paths' bits. Without AMX, asking for
+    it gives the best path there is."""
+    if not has_path(built, "amx_bf16"):
+        blocks = random_int4(32, 64, 32, True, seed=6)[0]
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        try:
+            assert kernels.select_isa("amx_bf16") == built.host_isa
+            got = kernels.int4_linear(x, blocks)
+            kernels.select_isa(built.host_isa)
+            assert torch.equal(got, kernels.int4_linear(x, blocks))
+        finally:
+            kernels.select_isa(None)
+        return
+    gen = torch.Generator().manual_seed(21)
+    try:
+        for n, k, group, zero_point in ((72, 256, 64, True), (48, 128, 32, False), (1040, 640, 128, True),
+                                        (40, 96, 32, True)):
+            blocks = random_int4(n, k, group, zero_point, seed=n)[0]
+            x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
+            kernels.select_isa("amx_bf16")
+            out = kernels.int4_linear(x, blocks)
+            for m in (1, 2, 3, 9, 15, 16, 17, 31, 32, 33, 47, 64):
+                assert torch.equal(kernels.int4_linear(x[:m], blocks), out[:m]), (n, m)
+            for rows in ((5, 9), (16, 40), (33, 70)):  # a row in another place of its tiles
+                assert torch.equal(kernels.int4_linear(x[rows[0]:rows[1]], blocks), out[rows[0]:rows[1]]), rows
+            with torch_threads(1):
+                assert torch.equal(kernels.int4_linear(x, blocks), out)
+            # the bf16 result's rounding, and the offset codes' cancellation: t ~ 128 sum|x| to ~4 fewer bits
+            want = emulated_bf16_path(x, blocks)
+            err = (out.float() - want).abs()
+            assert bool((err <= want.abs() * 2.0**-8 + want.abs().max() * 2.0**-12).all()), (n, float(err.max()))
+            assert float((out.float() == want.to(torch.bfloat16).float()).float().mean()) > 0.95, n
+            xf = x.float()
+            fp32 = kernels.int4_linear(xf, blocks)
+            kernels.select_isa("scalar")
+            assert torch.equal(kernels.int4_linear(xf, blocks), fp32)
+        blocks = random_int4(48, 64, 16, True, seed=3)[0]  # groups of 16: the avx512_bf16 path's bits
+        x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+        kernels.select_isa("amx_bf16")
+        got = kernels.int4_linear(x, blocks)
+        kernels.select_isa("avx512_bf16")
+        assert torch.equal(got, kernels.int4_linear(x, blocks))
+    finally:
+        kernels.select_isa(None)
