@@ -43,6 +43,10 @@ void configure(int rows) {
   c.palette = 1;
   for (int t = 0; t < 3; ++t) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = 64;
   for (int t = 3; t < 5; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  // GCC 12 at -O3 may not see that ldtilecfg reads the whole struct and drop these stores (a variant of this
+  // function, built with the kernels' flags in a harness, loaded a config of zero rows: SIGILL at the first
+  // tile instruction); the empty asm that may read the struct keeps them.
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
