@@ -244,19 +244,6 @@ constexpr int64_t kFusedRows[2] = {4, 12};
 
 int64_t strip_words(int64_t m, int64_t k, bool vbmi) { return m > kFusedRows[vbmi] ? k * 8 : 0; }
 
-void decode_codes(const uint8_t* qb, int64_t k, uint32_t* strip, bool vbmi) {
-  if (vbmi && k % 8 == 0) {  // four pairs per 64 bytes read: the same words as code_pair's
-    static const VbmiCodes codes;
-    for (int64_t i = 0; i < k; i += 8) {
-      const __m512i src = _mm512_loadu_si512(qb + 8 * i);
-      for (int c = 0; c < 4; ++c) _mm512_storeu_si512(strip + 8 * (i + 2 * c), codes.pair(src, c));
-    }
-    return;
-  }
-  const __m512i table = code_table();
-  for (int64_t i = 0; i < k; i += 2) _mm512_storeu_si512(strip + 8 * i, code_pair(qb + 8 * i, table));
-}
-
 // One block (two or four for one or two rows), `b` advanced past all but the last; m <= kFusedRows[VBMI].
 template <bool VBMI>
 void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_t qstride, const float* sb,
@@ -312,7 +299,7 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
         few_rows<false>(x, m, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, b, b1, codes);
       continue;
     }
-    decode_codes(qb, k, strip, false);
+    for (int64_t i = 0; i < k; i += 2) _mm512_storeu_si512(strip + 8 * i, code_pair(qb + 8 * i, table));
     for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
       const int64_t rows = m - r0 < kRowTile ? m - r0 : kRowTile;
       const uint16_t* xr = x + r0 * k;

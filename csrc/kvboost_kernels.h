@@ -101,10 +101,6 @@ void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* x
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip,
                  bool vbmi);
-// A block's K x 16 codes as bf16 pairs into `strip` (K * 8 words): word 16p + j holds column j of rows 2p
-// (low half) and 2p + 1 (high half), the layout of a vdpbf16ps operand and of an AMX tile's B rows.
-// `vbmi` (the CPU has AVX-512 VBMI): decoded with it, the same words.
-void decode_codes(const uint8_t* qb, int64_t k, uint32_t* strip, bool vbmi);
 // Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations: 16 lanes of k-pairs, then
 // the fixed tree.
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
