@@ -29,8 +29,9 @@ def packed_gemma(model=None, tokenizer=None) -> Path:
     return path
 
 
-def resident_int4_gemma(kernel: str = "kvboost"):
-    """(model, tokenizer): :func:`packed_gemma` loaded resident in bf16 on ``kernel``'s int4 GEMMs, for inference."""
+def resident_int4_gemma(kernel: str = "kvboost", huge_pages: bool = True):
+    """(model, tokenizer): :func:`packed_gemma` loaded resident in bf16 on ``kernel``'s int4 GEMMs, for inference
+    (its weights on huge pages unless ``huge_pages`` is False)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +42,8 @@ def resident_int4_gemma(kernel: str = "kvboost"):
     path = packed_gemma(base, tokenizer)
     del base
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel=kernel),
+        path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel=kernel,
+                                                     huge_pages=huge_pages),
         dtype=torch.bfloat16).eval()
     return model, tokenizer
 
@@ -69,10 +71,16 @@ def per_pair(times: dict[str, list[float]], ratios: list[float], ratio: str) -> 
             f"{len(ratios)} pairs)")
 
 
-def memory_bandwidth_gbs(reps: int = 5) -> float:
+def memory_bandwidth_gbs(reps: int = 5, huge_pages: bool = False) -> float:
     """This host's memory read speed now (a sum over 512 MB, the median of ``reps``): it drifts on shared hosts, and
-    a decode step that reads its whole head is bound by it, so runs are compared with it in view."""
+    a decode step that reads its whole head is bound by it, so runs are compared with it in view. ``huge_pages``:
+    the 512 MB on transparent huge pages (as our loaders place weights), where reading is not slowed by a TLB miss
+    every 4 KiB."""
     big = torch.ones(128 * 1024 * 1024)
+    if huge_pages:
+        from kvboost_hf.models.huge_pages import back_with_huge_pages
+
+        back_with_huge_pages([big])
     big.sum()
     seconds = []
     for _ in range(reps):

@@ -78,14 +78,18 @@ def warm_texts(
 def load_served_model(args: argparse.Namespace):
     """``(model, tokenizer)``: a plain load, or an AWQ-streamed one with ``--awq-streaming``. Raises ServeError."""
     from kvboost_hf.models import load_model
+    from kvboost_hf.models.huge_pages import back_with_huge_pages
 
     if getattr(args, "awq_streaming", None) is None:
         try:
-            return load_model(args.model)
+            model, tokenizer = load_model(args.model)
         except (OSError, ValueError) as err:  # not a model directory, an id not on the hub or offline, bad config
             what = f"--model {args.model}" if args.model else "the embedded model"
             raise ServeError(f"{what} does not load ({first_line(err)}); pass a local model directory "
                              "or a Hugging Face model id") from err
+        if next(model.parameters()).device.type == "cpu":  # a server decodes for long: weights read faster
+            back_with_huge_pages(model)
+        return model, tokenizer
     if args.model is None:
         raise ServeError("--awq-streaming needs --model PATH of an AutoAWQ GEMM checkpoint (see kvboost-hf awq-pack)")
     from kvboost_hf.streaming import StreamingAWQConfig, load_awq_model

@@ -30,6 +30,7 @@ from kvboost_hf.kernels.layer import ARGUMENTS_ATTR, fuse_layers
 from kvboost_hf.kernels.norm import cpu_norm
 from kvboost_hf.models.attention import own_attention
 from kvboost_hf.models.fused_norm import FusedRMSNorm, fuse_norms
+from kvboost_hf.models.huge_pages import back_with_huge_pages
 from kvboost_hf.reuse import STATE_ATTR
 from kvboost_hf.speculative.head import DraftHead
 from kvboost_hf.speculative.quantized import Int4DraftLinear, quantized_linear
@@ -111,6 +112,8 @@ def make_draft(model: nn.Module, bits: int = 4, vocab: int | None = None, layers
     draft.draft_name = (f"int{bits}" + (f"-vocab{vocab}" if vocab else "") + (f"-layers{layers}" if layers else "")
                         + ("-bf16" if compute_dtype == torch.bfloat16 else ""))
     draft.eval()
+    if on_cpu:  # the draft's own weights (its head, int4 copies); those it shares with the target stay as they are
+        back_with_huge_pages(draft, exclude=model)
     record_source(draft, model)  # its first round starts from the target's prompt K/V (shared_prompt.py)
     return draft
 

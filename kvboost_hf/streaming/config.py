@@ -38,6 +38,10 @@ class StreamingAWQConfig(QuantizationConfigMixin):
     - ``kernel``: the int4 GEMM: ``"kvboost"`` (this package's CPU kernels, :mod:`kvboost_hf.kernels`:
       each weight decoded once per call, rows bit-independent), ``"torch"`` (torch's packed int4 op),
       or ``"auto"`` (kvboost on CPU when its kernels are built, else torch).
+    - ``huge_pages``: on a CPU, back the weights held in RAM (resident layers, the head and embedding,
+      ``host="ram"`` streamed layers) with transparent huge pages after loading
+      (:func:`kvboost_hf.models.huge_pages.back_with_huge_pages`: in place, values unchanged; a decode step
+      streams them faster). ``False`` leaves them as loaded.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         version: str = "gemm",
         modules_to_not_convert: list[str] | None = None,
         kernel: str = "auto",
+        huge_pages: bool = True,
         **kwargs: Any,
     ) -> None:
         self.quant_method = QUANT_METHOD
@@ -73,6 +78,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         self.version = version
         self.modules_to_not_convert = modules_to_not_convert
         self.kernel = kernel
+        self.huge_pages = huge_pages
         self.post_init()
 
     def post_init(self) -> None:
@@ -90,6 +96,8 @@ class StreamingAWQConfig(QuantizationConfigMixin):
             raise ValueError(f"n_staging_slots must be an int >= 1, got {self.n_staging_slots!r}")
         if self.kernel not in KERNEL_CHOICES:
             raise ValueError(f"kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
+        if not isinstance(self.huge_pages, bool):
+            raise ValueError(f"huge_pages must be True or False, got {self.huge_pages!r}")
         if self.throttle_bytes_per_s is not None and not self.throttle_bytes_per_s > 0:
             raise ValueError(f"throttle_bytes_per_s must be positive or None, got {self.throttle_bytes_per_s!r}")
         self.check_checkpoint_fields()
@@ -159,6 +167,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
             "version": self.version,
             "modules_to_not_convert": self.modules_to_not_convert,
             "kernel": self.kernel,
+            "huge_pages": self.huge_pages,
         }
 
     @classmethod

@@ -26,6 +26,7 @@ from kvboost_hf.kernels.attention import KernelAttention
 from kvboost_hf.kernels.norm import KernelRMSNorm
 from kvboost_hf.models.attention import own_attention
 from kvboost_hf.models.fused_norm import fuse_norms
+from kvboost_hf.models.huge_pages import back_with_huge_pages, module_tensors
 from kvboost_hf.streaming.awq_format import awq_to_codes, unpack_awq
 from kvboost_hf.streaming.config import StreamingAWQConfig
 from kvboost_hf.streaming.fused import fuse_projections
@@ -260,6 +261,9 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     runtime = StreamingRuntime(streamer, stats, source, index)
     runtime.attach(model)
     _return_freed_memory()
+    if config.huge_pages and device.type == "cpu":  # after the trim: frames are filled from what stays
+        held = list(module_tensors(model)) + (source.tensors() if isinstance(source, RamSource) else [])
+        stats.huge_page_bytes = back_with_huge_pages(held).bytes
     return runtime
 
 

@@ -48,6 +48,10 @@ class HostSource:
         t = self._tensors[name]
         return t.numel() * t.element_size()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The packed tensors held (for memory placement, not for computing)."""
+        return list(self._tensors.values())
+
     def total_bytes(self) -> int:
         return sum(self.nbytes(n) for n in self._tensors)
 

@@ -25,6 +25,7 @@ class StreamingStats:
     resident_int4_bytes: int = 0
     streamed_int4_bytes: int = 0
     staging_bytes: int = 0
+    huge_page_bytes: int = 0
     hits: int = 0
     late: int = 0
     misses: int = 0

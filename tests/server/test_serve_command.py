@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from kvboost_hf import ChunkStore, enable_chunk_reuse
 from kvboost_hf.cli import main
@@ -186,3 +187,18 @@ def test_stats_say_the_remote_tier_is_unavailable_while_redis_is_down():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_served_cpu_model_is_put_on_huge_pages_with_its_values(tmp_path):
+    from kvboost_hf.models.huge_pages import back_with_huge_pages
+    from kvboost_hf.server.launch import load_served_model
+    from tests.models.test_huge_pages import anon_huge_bytes
+
+    saved = make_tiny("llama", seed=5, vocab_size=65536)  # a 16 MB embedding: frames to collapse
+    saved.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_served_model(parse("--model", str(tmp_path)))
+    embedding = model.get_input_embeddings().weight
+    assert torch.equal(embedding, saved.get_input_embeddings().weight)
+    if back_with_huge_pages([torch.randn(8 << 18)]).collapsed:  # this host backs memory with THP
+        assert anon_huge_bytes(embedding.data_ptr() + embedding.nbytes // 2) > 0
