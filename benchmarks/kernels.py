@@ -7,7 +7,8 @@ the float baselines run as on a host of that class (torch then takes oneDNN's AV
 or on AVX2 its own bf16 GEMM, as it does on such hosts); ``--native-onednn`` leaves oneDNN at this
 host's best (the avx512_bf16 process always does). Per process, interleaved, medians of ``--reps``:
 
-- a bandwidth probe (sum over a 512 MB tensor) giving the floor for each weight read;
+- a bandwidth probe (sum over a 512 MB tensor) on 4 KiB pages and on huge pages, the latter giving the floor for
+  each weight read (every model's weights and the head below are on huge pages, as our loaders place them);
 - Gemma-3-270M's layer shapes at M = 1, 4, 9, 16, 64, 256 rows: kvboost int4 (group 128), torch int4,
   torch dense bf16 and fp32; the 262k x 640 LM head: kvboost bf16 (blocked layout, and nn.Linear's own
   [N, K] layout that an int4 model's tied head runs on) against torch bf16/fp32;
@@ -55,6 +56,7 @@ ONEDNN_ISA = {"avx512": "AVX512_CORE", "avx2": "AVX2", "scalar": "SSE41"}  # a h
 
 def layer_rows(reps: int) -> dict:
     from kvboost_hf import kernels
+    from kvboost_hf.models.huge_pages import back_with_huge_pages
     from kvboost_hf.streaming.awq_format import scales_and_zeros, to_int4pack
 
     out = {}
@@ -78,6 +80,7 @@ def layer_rows(reps: int) -> dict:
     head = torch.randn(n, k, generator=gen)
     head16 = head.to(torch.bfloat16)
     ours16 = kernels.pack_dense(head16)
+    back_with_huge_pages([head, head16, ours16.weight])  # as a loaded model's head is
     for m in (1, 4, 9):
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         x32 = x.float()
@@ -116,6 +119,7 @@ def whole_model(reps: int) -> dict:
         path, quantization_config=StreamingAWQConfig(residency_mode="full_resident", kernel=kernel),
         dtype=torch.bfloat16).eval() for kernel in ("kvboost", "torch")}
     models["bf16 float"] = model.to(torch.bfloat16)
+    back_with_huge_pages(models["bf16 float"])  # as the int4 models' loader does, and `kvboost-hf serve`
     draft = make_draft(models["kvboost"], bits=4, vocab=32768, tokenizer=tokenizer)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, 20000, (1, 200), generator=gen)
@@ -230,7 +234,8 @@ def worker(reps: int) -> dict:
             "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "host"),
             "torch_bf16_on_onednn": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-            "bandwidth_gbs": memory_bandwidth_gbs(reps), "layers": layer_rows(reps), "model": whole_model(reps)}
+            "bandwidth_gbs": memory_bandwidth_gbs(reps), "bandwidth_huge_gbs": memory_bandwidth_gbs(reps, huge_pages=True),
+            "layers": layer_rows(reps), "model": whole_model(reps)}
 
 
 def main() -> None:
@@ -264,7 +269,8 @@ def main() -> None:
 
 def report(path: str, r: dict) -> None:
     print(f"== path {r['isa']} (torch {r['torch_capability']}, oneDNN {r['onednn_max_isa']}, torch bf16 on oneDNN: "
-          f"{r['torch_bf16_on_onednn']}), bandwidth {r['bandwidth_gbs']:.1f} GB/s")
+          f"{r['torch_bf16_on_onednn']}), bandwidth {r['bandwidth_gbs']:.1f} GB/s on 4 KiB pages, "
+          f"{r['bandwidth_huge_gbs']:.1f} GB/s on huge pages")
     for name, row in r["layers"].items():
         print(f"{name:32s} " + "  ".join(f"{k} {v:8.3f}" for k, v in row.items() if not k.endswith("bytes")))
     for name, row in r["model"]["ms"].items():

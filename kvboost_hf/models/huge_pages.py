@@ -22,12 +22,12 @@ changes and the report says why; ``KVBOOST_HF_HUGE_PAGES=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
@@ -42,7 +42,7 @@ _MADV_COLLAPSE = 25
 _ENV = "KVBOOST_HF_HUGE_PAGES"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class HugePageReport:
     """What :func:`back_with_huge_pages` did: ``frames`` 2 MiB frames the tensors fill enough of,
     ``collapsed`` of them now huge pages, covering ``bytes`` bytes of tensor memory (``moved_bytes`` of
@@ -72,16 +72,21 @@ def huge_page_frames(spans: Iterable[tuple[int, int]], min_cover: float = MIN_CO
 
 def module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     """Every tensor ``module``'s tree holds: parameters, buffers, and tensors in its modules' attributes
-    (also inside lists, tuples and dicts), such as packed kernel weights."""
+    (also inside lists, tuples, dicts and dataclasses), such as packed kernel weights."""
     def visit(value, depth: int = 0):
         if isinstance(value, torch.Tensor):
             yield value
-        elif depth < 3 and isinstance(value, (list, tuple)):
+        elif depth >= 3:
+            return
+        elif isinstance(value, (list, tuple)):
             for item in value:
                 yield from visit(item, depth + 1)
-        elif depth < 3 and isinstance(value, dict):
+        elif isinstance(value, dict):
             for item in value.values():
                 yield from visit(item, depth + 1)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                yield from visit(getattr(value, field.name, None), depth + 1)
 
     for sub in module.modules():
         for value in vars(sub).values():

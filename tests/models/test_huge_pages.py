@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from kvboost_hf.kernels.layout import pack_dense
 from kvboost_hf.models.huge_pages import HUGE_PAGE, back_with_huge_pages, huge_page_frames, module_tensors
 
 MB = 1 << 20
@@ -67,6 +68,7 @@ class Holder(nn.Module):
         self.linear = nn.Linear(512, 1024)
         self.register_buffer("table", torch.randn(4 * MB // 4))
         self.packed = {"codes": torch.zeros(6 * MB, dtype=torch.uint8)}  # a kernel's packed weights
+        self.blocks = pack_dense(torch.randn(64, 32))  # a dataclass of them
         self.pieces = [torch.ones(2 * MB // 4), (torch.ones(3),)]
 
 
@@ -74,7 +76,7 @@ def test_module_tensors_finds_what_a_module_holds_and_exclude_leaves_it_alone():
     holder = Holder()
     found = {t.data_ptr() for t in module_tensors(holder)}
     wanted = [holder.linear.weight, holder.linear.bias, holder.table, holder.packed["codes"], holder.pieces[0],
-              holder.pieces[1][0]]
+              holder.pieces[1][0], holder.blocks.weight]
     assert {t.data_ptr() for t in wanted} <= found
     assert back_with_huge_pages(holder, exclude=holder).frames == 0
     other = Holder()
