@@ -111,6 +111,7 @@ def whole_model(reps: int) -> dict:
     from kvboost_hf.cache import BufferedCache
     from kvboost_hf.models import load_default_model
     from kvboost_hf.models.attention import FLOAT32_SDPA
+    from kvboost_hf.models.huge_pages import back_with_huge_pages
     from kvboost_hf.streaming import StreamingAWQConfig
 
     model, tokenizer = load_default_model()
