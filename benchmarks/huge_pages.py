@@ -14,6 +14,7 @@ Greedy continuations of each pair are compared (the placement changes no value).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import environment, median, memory_bandwidth_gbs, resident_int4_gemma, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    ForwardTimes, environment, median, memory_bandwidth_gbs, resident_int4_gemma, write_json)
 
 
 @torch.no_grad()
@@ -37,7 +39,6 @@ def main() -> None:
 
     from kvboost_hf.models import load_default_model
     from kvboost_hf.models.huge_pages import back_with_huge_pages, module_tensors
-    from kvboost_hf.speculative.exact_rows import route_rows, verifying
 
     bandwidth = {"4k": memory_bandwidth_gbs(), "huge": memory_bandwidth_gbs(huge_pages=True)}
     models = {"int4 4k": resident_int4_gemma(huge_pages=False)[0], "int4 huge": resident_int4_gemma()[0]}
@@ -55,25 +56,7 @@ def main() -> None:
             m(prompt[:, -1:], past_key_values=cache, use_cache=True)
         return cache
 
-    def step(m):
-        cache = prefilled(m)
-        start = time.perf_counter()
-        m(prompt[:, -1:], past_key_values=cache, use_cache=True)
-        return time.perf_counter() - start
-
-    def verify(m):
-        cache = prefilled(m)
-        with verifying(m):
-            route_rows(9)
-            start = time.perf_counter()
-            m(prompt[:, -9:], past_key_values=cache, use_cache=True)
-            return time.perf_counter() - start
-
-    def prefill(m):
-        m(long[:, :8], past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
-        start = time.perf_counter()
-        m(long, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - start
+    times = ForwardTimes(prompt, long, prefilled, warm_prefill=True)
 
     def head_after(idle: float):
         def run(m):
@@ -85,7 +68,8 @@ def main() -> None:
             return time.perf_counter() - start
         return run
 
-    what = {"step": step, "verify9_exact": verify, "prefill256": prefill, "head": head_after(0.0),
+    what = {"step": times.step, "verify9_exact": functools.partial(times.verify, exact=True),
+            "prefill256": times.prefill, "head": head_after(0.0),
             "head after 0.2 s idle": head_after(0.2), "head after 1 s idle": head_after(1.0)}
     samples = {name: {w: [] for w in what} for name in models}
     order = list(models)

@@ -44,7 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DOCS_BENCH, environment, median, memory_bandwidth_gbs, packed_gemma, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    DOCS_BENCH, ForwardTimes, environment, median, memory_bandwidth_gbs, packed_gemma, write_json)
 
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
@@ -132,32 +133,7 @@ def whole_model(reps: int) -> dict:
         m(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
 
-    def step(m):
-        cache = prefilled(m)
-        start = time.perf_counter()
-        m(prompt[:, -1:], past_key_values=cache, use_cache=True)
-        return time.perf_counter() - start
-
-    def verify(m):
-        cache = prefilled(m)
-        start = time.perf_counter()
-        m(prompt[:, -9:], past_key_values=cache, use_cache=True)
-        return time.perf_counter() - start
-
-    def verify_exact(m):  # as speculation verifies on an int4 target: rows routed to decode-exact attention
-        from kvboost_hf.speculative.exact_rows import route_rows, verifying
-
-        cache = prefilled(m)
-        with verifying(m):
-            route_rows(9)
-            start = time.perf_counter()
-            m(prompt[:, -9:], past_key_values=cache, use_cache=True)
-            return time.perf_counter() - start
-
-    def prefill(m):
-        start = time.perf_counter()
-        m(long, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - start
+    times = ForwardTimes(prompt, long, prefilled)
 
     # HF's RMSNorm modules of the float model (bf16(w), where the packed checkpoint holds bf16(fp16(w)):
     # the same ops and shapes, for timing only; "GEMMs only" logits are not compared).
@@ -173,12 +149,12 @@ def whole_model(reps: int) -> dict:
     for _ in range(reps):
         for name, (m, mode) in settings.items():
             switch(m, mode)
-            samples[name]["step"].append(step(m) * 1e3)
-            samples[name]["verify9"].append(verify(m) * 1e3)
-            samples[name]["verify9_exact"].append(verify_exact(m) * 1e3)
-            samples[name]["prefill256"].append(prefill(m) * 1e3)
+            samples[name]["step"].append(times.step(m) * 1e3)
+            samples[name]["verify9"].append(times.verify(m) * 1e3)
+            samples[name]["verify9_exact"].append(times.verify(m, exact=True) * 1e3)
+            samples[name]["prefill256"].append(times.prefill(m) * 1e3)
         switch(models["kvboost"], True)
-        samples["int4 self-draft"]["step"].append(step(draft) * 1e3)
+        samples["int4 self-draft"]["step"].append(times.step(draft) * 1e3)
     text = {name: m.generate(prompt[:, :64], max_new_tokens=24, do_sample=False)[0, 64:].tolist()
             for name, m in models.items()}
     return {"ms": {name: {k: median(v) for k, v in s.items()} for name, s in samples.items()},
