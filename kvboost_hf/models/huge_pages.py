@@ -21,6 +21,7 @@ changes and the report says why; ``KVBOOST_HF_HUGE_PAGES=0`` turns it off.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
 import errno
@@ -57,11 +58,22 @@ class HugePageReport:
     reason: str | None = None
 
 
+def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ``spans`` (start, length) merged where they overlap or touch: (start, length), in address order."""
+    out: list[list[int]] = []
+    for start, length in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], start + length)
+        else:
+            out.append([start, start + length])
+    return [(lo, hi - lo) for lo, hi in out]
+
+
 def huge_page_frames(spans: Iterable[tuple[int, int]], min_cover: float = MIN_COVER) -> list[int]:
-    """The 2 MiB-aligned frame addresses that the byte ``spans`` (start, length; not overlapping) fill to at
-    least ``min_cover`` of a frame, in address order."""
+    """The 2 MiB-aligned frame addresses that the byte ``spans`` (start, length; overlaps counted once) fill to
+    at least ``min_cover`` of a frame, in address order."""
     cover: dict[int, int] = {}
-    for start, length in spans:
+    for start, length in merged(spans):
         end = start + length
         frame = start - start % HUGE_PAGE
         while frame < end:
@@ -96,11 +108,13 @@ def module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover: float = MIN_COVER, *,
                          exclude: nn.Module | None = None) -> HugePageReport:
     """Ask Linux to back the host memory of ``tensors`` (or of every tensor a module holds,
-    :func:`module_tensors`) with transparent huge pages, in place.
+    :func:`module_tensors`) with transparent huge pages.
 
-    Storages shared by several tensors count once; CUDA, pinned, meta and storage-less tensors are left
-    alone, and so are the storages of module ``exclude`` (a draft's weights shared with its target). Values,
-    pointers and sharing do not change. Returns what was done; never raises for a host that cannot do it."""
+    Anonymous memory is collapsed in place (no value, pointer or sharing changes); memory in a private file
+    mapping is copied to anonymous memory first (module docstring); a shared file mapping is left alone.
+    Storages shared by several tensors count once; CUDA, pinned, meta, non-strided and storage-less tensors
+    are left alone, and so are the storages of module ``exclude`` (a draft's weights shared with its target).
+    Returns what was done; never raises for a host that cannot do it."""
     start = time.perf_counter()
     if isinstance(tensors, nn.Module):
         tensors = module_tensors(tensors)
@@ -113,20 +127,24 @@ def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover:
         for address in _storages(module_tensors(exclude)):
             storages.pop(address, None)
     madvise = _madvise()
+    if madvise is None:
+        return HugePageReport(reason="madvise is not available from libc")
     moved = 0
-    if madvise is not None:
-        for address in _in_private_file_mappings(storages):
-            nbytes, views = storages.pop(address)
-            copy = _anonymous_copy(nbytes, views, madvise)
-            if copy is not None:
-                storages[copy] = (nbytes, views)
-                moved += nbytes
+    private, shared = _in_file_mappings(storages)
+    for address in shared:  # read from its file on purpose (host="mmap" streaming): not ours to move
+        storages.pop(address)
+    for interval in merged((a, storages[a][0]) for a in private):
+        members = {a: storages.pop(a) for a in private if interval[0] <= a < interval[0] + interval[1]}
+        copy = _anonymous_copy(interval, members, madvise)
+        if copy is None:  # left where it is (its frames cannot be collapsed there; counted as not collapsed)
+            storages.update(members)
+        else:
+            storages[copy] = (interval[1], [])
+            moved += interval[1]
     spans = {address: nbytes for address, (nbytes, _) in storages.items()}
     frames = huge_page_frames(spans.items(), min_cover)
     if not frames:
-        return HugePageReport()
-    if madvise is None:
-        return HugePageReport(frames=len(frames), reason="madvise is not available from libc")
+        return HugePageReport(moved_bytes=moved)
     collapsed, last_error = [], 0
     for frame in frames:
         madvise(frame, HUGE_PAGE, _MADV_HUGEPAGE)  # lets the frame stay huge if a later fault splits it
@@ -134,7 +152,7 @@ def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover:
             collapsed.append(frame)
         else:
             last_error = ctypes.get_errno()
-    covered = _covered_bytes(spans.items(), collapsed)
+    covered = _covered_bytes(merged(spans.items()), collapsed)
     report = HugePageReport(len(frames), len(collapsed), covered, moved, time.perf_counter() - start,
                             None if collapsed else _why(last_error))
     logger.info("huge pages: %d of %d frames (%.1f MB of tensors, %.1f MB copied out of file mappings) in %.2f s%s",
@@ -144,55 +162,72 @@ def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover:
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[int, list[torch.Tensor]]]:
-    """Host storages by address: (bytes, the tensors on it)."""
+    """Host storages by address: (bytes, the tensors on it). Two storages at one address (views of one buffer
+    made apart) count as the larger."""
     out: dict[int, tuple[int, list[torch.Tensor]]] = {}
     for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.is_sparse or tensor.is_pinned():
-            continue
         try:
+            if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_pinned():
+                continue
             storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # tensors without a storage (e.g. some subclasses)
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without a storage (opaque, some subclasses)
             continue
-        if storage.nbytes() and storage.data_ptr():
-            views = out.setdefault(storage.data_ptr(), (storage.nbytes(), []))[1]
+        if nbytes and address:
+            size, views = out.get(address, (0, []))
             if not any(v is tensor for v in views):  # a tied Parameter is found once per module holding it
                 views.append(tensor)
+            out[address] = (max(size, nbytes), views)
     return out
 
 
-def _in_private_file_mappings(storages: dict) -> list[int]:
-    """The storage addresses that lie in a private (copy-on-write) mapping of a file (/proc/self/maps)."""
+def _in_file_mappings(storages: dict) -> tuple[list[int], list[int]]:
+    """The storage addresses that lie in private (copy-on-write) and in shared mappings of a file (/proc/self/maps)."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.readlines()
     except OSError:
-        return []
-    files = []
+        return [], []
+    files = []  # (start, end, private), in address order
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[1][3] == "p" and parts[5].startswith("/"):
+        if len(parts) == 6 and parts[5].startswith("/"):
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            files.append((lo, hi))
-    return [a for a, (n, _) in storages.items() if any(lo <= a and a + n <= hi for lo, hi in files)]
+            files.append((lo, hi, parts[1][3] == "p"))
+    starts = [lo for lo, _, _ in files]
+    private, shared = [], []
+    for address in storages:
+        i = bisect.bisect_right(starts, address) - 1
+        if i >= 0 and address < files[i][1]:
+            (private if files[i][2] else shared).append(address)
+    return private, shared
 
 
-def _anonymous_copy(nbytes: int, views: list[torch.Tensor], madvise) -> int | None:
-    """Copy a storage into fresh anonymous memory asked for huge pages and point ``views`` at it; its address, or
-    None where a view cannot be changed (an inference tensor outside inference mode)."""
-    if any(v.is_inference() for v in views) and not torch.is_inference_mode_enabled():
+def _anonymous_copy(interval: tuple[int, int], members: dict, madvise) -> int | None:
+    """Copy the bytes of ``interval`` (start, length), which ``members`` (address -> (bytes, tensors)) fill, into
+    fresh anonymous memory asked for huge pages, and point every member tensor at the copy; the copy's address, or
+    None (nothing changed) where a tensor cannot be pointed there (an inference tensor outside inference mode, an
+    offset that is not a whole number of its elements)."""
+    lo, nbytes = interval
+    views = [(address - lo, v) for address, (_, vs) in members.items() for v in vs]
+    if any((shift % v.element_size()) or v.is_inference() and not torch.is_inference_mode_enabled()
+           for shift, v in views):
         return None
-    pad = HUGE_PAGE if nbytes >= HUGE_PAGE // 2 else 0  # room to start on a frame
-    buffer = torch.empty(nbytes + pad, dtype=torch.uint8)
-    offset = -buffer.data_ptr() % HUGE_PAGE if pad else 0  # a multiple of 64: of every element size
-    copy = buffer[offset:offset + nbytes]
-    if pad:
-        madvise(copy.data_ptr(), nbytes - nbytes % HUGE_PAGE, _MADV_HUGEPAGE)  # faulted in as huge pages
-    copy.copy_(torch.empty(0, dtype=torch.uint8).set_(views[0].untyped_storage()))
+    frames = nbytes >= HUGE_PAGE // 2
+    rounded = -(-nbytes // HUGE_PAGE) * HUGE_PAGE if frames else nbytes  # the last frame inside the buffer too
+    buffer = torch.empty(rounded + (HUGE_PAGE if frames else 0), dtype=torch.uint8)
+    offset = -buffer.data_ptr() % HUGE_PAGE if frames else 0  # a multiple of 64: of every element size
+    if frames:
+        madvise(buffer.data_ptr() + offset, rounded, _MADV_HUGEPAGE)  # faulted in as huge pages
+    for address, (_, vs) in members.items():  # the largest of the storages at an address holds the others' bytes
+        source = torch.empty(0, dtype=torch.uint8).set_(max((v.untyped_storage() for v in vs), key=len))
+        start = offset + address - lo
+        buffer[start:start + source.numel()].copy_(source)
     with torch.no_grad():
-        for view in views:
-            view.set_(buffer.untyped_storage(), view.storage_offset() + offset // view.element_size(), view.size(),
-                      view.stride())
-    return copy.data_ptr()
+        for shift, view in views:
+            view.set_(buffer.untyped_storage(), view.storage_offset() + (offset + shift) // view.element_size(),
+                      view.size(), view.stride())
+    return buffer.data_ptr() + offset
 
 
 def _covered_bytes(spans: Iterable[tuple[int, int]], frames: list[int]) -> int:
@@ -221,7 +256,8 @@ def _madvise():
 
 def _why(code: int) -> str:
     if code == errno.EINVAL:
-        return "the kernel cannot collapse this memory (MADV_COLLAPSE needs Linux 6.1+ and THP not 'never')"
+        return ("this memory cannot be collapsed (file-backed, a frame crossing a mapping's edge, THP 'never', "
+                "or a kernel older than 6.1 without MADV_COLLAPSE)")
     if code in (errno.ENOMEM, errno.EAGAIN, errno.EBUSY):
         return f"no free huge pages now ({errno.errorcode.get(code, code)})"
     return f"madvise failed ({errno.errorcode.get(code, code)})"

@@ -136,3 +136,38 @@ def test_a_private_file_mapping_is_copied_to_anonymous_memory_keeping_ties_and_v
     shared = torch.from_file(str(path), shared=True, size=values.numel(), dtype=torch.float32)
     before = shared.data_ptr()
     assert back_with_huge_pages([shared]).moved_bytes == 0 and shared.data_ptr() == before  # read from its file
+
+
+def test_views_made_apart_on_one_private_mapping_move_together(tmp_path):
+    """Storages at one address with other sizes, and overlapping ones: one copy, every byte, still shared."""
+    import numpy as np
+
+    values = torch.randn(5 * MB // 4)
+    mapped = []
+    for name in ("a.bin", "b.bin"):
+        values.numpy().tofile(tmp_path / name)
+        mapped.append(np.memmap(tmp_path / name, dtype=np.float32, mode="c"))  # private: copy-on-write
+    small, big = torch.from_numpy(mapped[0][: MB // 4]), torch.from_numpy(mapped[0][: 4 * MB // 4])  # one address
+    first, shifted = torch.from_numpy(mapped[1][: 3 * MB // 4]), torch.from_numpy(mapped[1][1024:])  # overlapping
+    report = back_with_huge_pages([small, big, first, shifted])
+    assert report.moved_bytes == 4 * MB + 5 * MB
+    assert torch.equal(big, values[: 4 * MB // 4]) and torch.equal(small, values[: MB // 4])
+    assert torch.equal(first, values[: 3 * MB // 4]) and torch.equal(shifted, values[1024:])
+    assert not mapping_of(big.data_ptr()).startswith("/") and not mapping_of(shifted.data_ptr()).startswith("/")
+    big[2000] = 7.0  # still one memory each: a write through one is seen through the other
+    first[2000] = 8.0
+    assert small[2000] == 7.0 and shifted[2000 - 1024] == 8.0
+
+
+def test_shared_file_mappings_and_opaque_tensors_are_left_alone(tmp_path, monkeypatch):
+    import kvboost_hf.models.huge_pages as huge_pages
+
+    path = tmp_path / "weights.bin"
+    torch.randn(6 * MB // 4).numpy().tofile(path)
+    shared = torch.from_file(str(path), shared=True, size=6 * MB // 4, dtype=torch.float32)
+    calls = []
+    real = huge_pages._madvise()
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda *a: calls.append(a) or real(*a))
+    before = shared.data_ptr()
+    report = back_with_huge_pages([shared, torch.randn(64, 64).to_mkldnn()])  # an opaque tensor: no storage
+    assert (report.frames, report.moved_bytes, calls, shared.data_ptr()) == (0, 0, [], before)
