@@ -109,7 +109,93 @@ void row_tile(const uint16_t* x, int64_t k, int rows, const uint32_t* const* str
   }
 }
 
+// Tiles for a dense [N, K] weight: 0-1 C of two blocks of 16 weight rows (arows x 16 x-columns, fp32), 2-3 A
+// (the blocks' arows weight rows x 32 k, read in place: a row-major weight is already an A tile), 4 B (16
+// k-pairs x 16 x-columns: x as x_pairs lays it out).
+void configure_dense(int arows) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 4; ++t) c.rows[t] = static_cast<uint8_t>(arows), c.colsb[t] = 64;
+  c.rows[4] = 16, c.colsb[4] = 64;
+  asm volatile("" : : "r"(&c) : "memory");  // as in configure()
+  _tile_loadconfig(&c);
+}
+
+// C (arows x 16) of the x-column tile t into out's rows 16t .. 16t + cols - 1, columns n .. n + arows - 1.
+inline void store_columns(const float* c, int arows, int64_t t, int64_t cols, int64_t n, float* out, int64_t ldo) {
+  for (int64_t j = 0; j < cols; ++j)
+    for (int i = 0; i < arows; ++i) out[(16 * t + j) * ldo + n + i] = c[16 * i + j];
+}
+
 }  // namespace
+
+int64_t x_pairs_words(int64_t m, int64_t k) { return (m + 15) / 16 * (k / kChunk) * 256; }
+
+void x_pairs(const uint16_t* x, int64_t m, int64_t k, uint32_t* pairs) {
+  const int64_t chunks = k / kChunk;
+  for (int64_t t = 0; t < (m + 15) / 16; ++t)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t p = 0; p < 16; ++p)
+        for (int64_t j = 0; j < 16; ++j) {
+          uint32_t word = 0;
+          if (16 * t + j < m) std::memcpy(&word, x + (16 * t + j) * k + kChunk * c + 2 * p, sizeof word);
+          pairs[((t * chunks + c) * 16 + p) * 16 + j] = word;
+        }
+}
+
+void bf16_rows(const uint32_t* pairs, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
+               int64_t ldo) {
+  if (m <= 0 || n0 >= n1) return;
+  const int64_t chunks = k / kChunk, tiles = (m + 15) / 16;
+  alignas(64) float c[2][kRows * 16];
+  int configured = 0;
+  for (int64_t n = n0; n < n1; n += 2 * kRows) {
+    const int arows = static_cast<int>(n1 - n < kRows ? n1 - n : kRows);
+    const bool two = n + kRows < n1;
+    const int brows = two ? static_cast<int>(n1 - n - kRows < kRows ? n1 - n - kRows : kRows) : 0;
+    const char* next = reinterpret_cast<const char*>(w + (n + 2 * kRows) * k);  // the next pass's rows, contiguous
+    const int64_t ahead = n + 2 * kRows < n1 ? (n1 - n - 2 * kRows < 2 * kRows ? n1 - n - 2 * kRows : 2 * kRows) * k * 2
+                                             : 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      // A tail block has fewer weight rows: its own config (the rows of C and A), once at the end of a range.
+      if (arows != configured) configure_dense(configured = arows);
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        if (t == 0)  // the weights come from DRAM: the next pass's bytes into L2, spread over this pass's chunks
+          for (int64_t b = ch * ahead / chunks / 64 * 64; b < (ch + 1) * ahead / chunks; b += 64)
+            _mm_prefetch(next + b, _MM_HINT_T1);
+        _tile_loadd(4, pairs + (t * chunks + ch) * 256, 64);
+        _tile_loadd(2, w + n * k + kChunk * ch, k * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        if (two && brows == arows) {
+          _tile_loadd(3, w + (n + kRows) * k + kChunk * ch, k * 2);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      if (two && brows == arows) _tile_stored(1, c[1], 64);
+      const int64_t cols = m - 16 * t < 16 ? m - 16 * t : 16;
+      store_columns(c[0], arows, t, cols, n, out, ldo);
+      if (two && brows == arows) store_columns(c[1], brows, t, cols, n + kRows, out, ldo);
+    }
+    if (two && brows != arows) {  // a short second block: on its own, with its own config
+      configure_dense(configured = brows);
+      for (int64_t t = 0; t < tiles; ++t) {
+        _tile_zero(0);
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          _tile_loadd(4, pairs + (t * chunks + ch) * 256, 64);
+          _tile_loadd(2, w + (n + kRows) * k + kChunk * ch, k * 2);
+          _tile_dpbf16ps(0, 2, 4);
+        }
+        _tile_stored(0, c[0], 64);
+        store_columns(c[0], brows, t, m - 16 * t < 16 ? m - 16 * t : 16, n + kRows, out, ldo);
+      }
+    }
+  }
+  _tile_release();
+}
 
 bool tiles_granted() {
   static const bool granted = [] {
