@@ -118,14 +118,6 @@ int64_t strip_words(int64_t m, int64_t k, int64_t group);
 int64_t fingerprint();
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
-// A row-major bf16 weight [N, K] (K a multiple of 32) with bf16 x: out[r][n] for n in [n0, n1) is the TDPBF16PS
-// sum over K of x row r with weight row n, 32 k per instruction in order from 0 (a tile's element computed
-// from its own row and column only, so rows of x are bit-independent). x is read from `pairs`, laid out by
-// x_pairs (x_pairs_words(m, k) words): per 16 rows of x and 32 k, the B tile of their k-pairs.
-int64_t x_pairs_words(int64_t m, int64_t k);
-void x_pairs(const uint16_t* x, int64_t m, int64_t k, uint32_t* pairs);
-void bf16_rows(const uint32_t* pairs, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
-               int64_t ldo);
 }
 
 // xs [m, K / group]: per row and group, the in-order sum of x over the group (the int4 contract above).

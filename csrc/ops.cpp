@@ -184,14 +184,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
     float* op = out.data_ptr<float>();
-    if (get_level() == kAmx) {  // the x rows as B tiles once, then every weight row an A tile row, read in place
-      std::vector<uint32_t> pairs(kvb_amx::x_pairs_words(m, k));
-      kvb_amx::x_pairs(xp, m, k, pairs.data());
-      balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
-        for (int64_t n0, n1; take(n0, n1);) kvb_amx::bf16_rows(pairs.data(), m, k, wp, n0, n1, op, n);
-      });
-      return out.to(x.scalar_type());
-    }
     balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
       for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, op, n);
     });
