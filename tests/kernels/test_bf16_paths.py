@@ -169,3 +169,33 @@ def test_the_amx_path_keeps_rows_independent_and_differs_only_where_it_says(buil
         assert torch.equal(got, kernels.int4_linear(x, blocks))
     finally:
         kernels.select_isa(None)
+
+
+def test_the_row_major_bf16_trees_add_the_lanes_in_the_defined_pairs(built):
+    """A bf16 output hides most fp32 rounding, so random inputs cannot tell one tree from another: here each row
+    puts 2^30 and -2^30 in two lanes and 1 in a third, so the 1 survives or not by which lanes the tree adds
+    first. Every row count (passes of one and of two weight rows) must give the definition's."""
+    if not has_path(built, "avx512_bf16"):
+        return  # the fp32 paths' order is checked in test_gemm
+    gen = torch.Generator().manual_seed(5)
+    k, rows = 64, 48
+    x = torch.zeros(rows, k)
+    for r in range(rows):
+        lanes = torch.randperm(16, generator=gen)[:3]
+        chunks = torch.randint(0, k // 32, (3,), generator=gen)
+        halves = torch.randint(0, 2, (3,), generator=gen)
+        for value, lane, chunk, half in zip((2.0**30, -(2.0**30), 1.0), lanes, chunks, halves):
+            x[r, 32 * chunk + 2 * lane + half] += value
+    x = x.to(torch.bfloat16)
+    weight = torch.ones(37, k, dtype=torch.bfloat16)
+    weight[1::2] = -1.0
+    want = emulated_bf16_rows(x, weight).to(torch.bfloat16)
+    assert bool((want.float().abs() < 2.0).all()) and float((want == 0).float().mean()) > 0.1  # both outcomes occur
+    assert float((want.float().abs() == 1).float().mean()) > 0.1
+    try:
+        kernels.select_isa("avx512_bf16")
+        for m in (1, 3, 4, 9, 16, 48):
+            for r0 in range(0, rows, m):
+                assert torch.equal(kernels.linear(x[r0:r0 + m], weight), want[r0:r0 + m]), (m, r0)
+    finally:
+        kernels.select_isa(None)
