@@ -305,15 +305,21 @@ def test_a_key_removed_by_sighup_mid_request_gets_nothing_more(tmp_path, stream)
                         rest = "\n".join(lines)
                     assert "revoked" in rest and rest.count("data: {") < 200
                 else:
-                    def revoke():
-                        time.sleep(0.3)
+                    started = threading.Event()  # the request passed the door and the model is computing
+                    hook = model.base_model.register_forward_pre_hook(lambda module, args: started.set())
+
+                    def revoke():  # mid-request, however slow the host (a fixed sleep raced a loaded CI machine)
+                        assert started.wait(60)
                         write_keys(path, {k: v for k, v in KEYS.items() if k != BOB})
                         server.app.state.tenancy.reload()
 
                     revoker = threading.Thread(target=revoke)
                     revoker.start()
-                    reply = client.post(f"{server.base_url}/v1/completions", json=body, headers=headers)
-                    revoker.join()
+                    try:
+                        reply = client.post(f"{server.base_url}/v1/completions", json=body, headers=headers)
+                    finally:
+                        revoker.join()
+                        hook.remove()
                     assert reply.status_code == 401 and "revoked" in reply.text
                 after = client.post(f"{server.base_url}/v1/completions", headers=headers,
                                     json={**body, "stream": False, "max_tokens": 1})
