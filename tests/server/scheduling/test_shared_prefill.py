@@ -37,8 +37,10 @@ def alone(model, tokenizer, prompt: str, max_tokens: int) -> tuple[str, str]:
 
 
 class BurstGate:
-    """Holds the first request's first forward until the whole burst is queued (then slows every forward a
-    little), so the burst always finds that prompt's prefill in flight, however loaded the machine is."""
+    """Holds the scheduler's first step after a submission, and the first request's first forward, until the
+    whole burst is queued (then slows every forward a little), so the burst always finds that prompt's prefill in
+    flight, however loaded the machine is (holding the forward alone let a loaded run admit the first request
+    alone and the rest only after its prefill was published: no row waited)."""
 
     def __init__(self, burst: int, monkeypatch) -> None:
         self.burst, self.queued, self.all_queued, lock = burst, 0, threading.Event(), threading.Lock()
@@ -52,6 +54,14 @@ class BurstGate:
                     self.all_queued.set()
 
         monkeypatch.setattr(BatchingQueue, "submit", counted)
+        step = BatchingQueue._step
+
+        def gated(queue):  # the scheduler's first decision after a submission sees the whole burst queued
+            if self.queued:
+                assert self.all_queued.wait(60), f"only {self.queued} of {self.burst} requests were queued"
+            step(queue)
+
+        monkeypatch.setattr(BatchingQueue, "_step", gated)
 
     def __call__(self, *_) -> None:
         if self.queued:  # forwards before any request (a server's start-up) pass
