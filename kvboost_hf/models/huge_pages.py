@@ -72,6 +72,11 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 def huge_page_frames(spans: Iterable[tuple[int, int]], min_cover: float = MIN_COVER) -> list[int]:
     """The 2 MiB-aligned frame addresses that the byte ``spans`` (start, length; overlaps counted once) fill to
     at least ``min_cover`` of a frame, in address order."""
+    return _filled(_frame_cover(spans), min_cover)
+
+
+def _frame_cover(spans: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """Per 2 MiB frame the byte ``spans`` touch (overlaps counted once), how many of its bytes they hold."""
     cover: dict[int, int] = {}
     for start, length in merged(spans):
         end = start + length
@@ -79,6 +84,10 @@ def huge_page_frames(spans: Iterable[tuple[int, int]], min_cover: float = MIN_CO
         while frame < end:
             cover[frame] = cover.get(frame, 0) + min(end, frame + HUGE_PAGE) - max(start, frame)
             frame += HUGE_PAGE
+    return cover
+
+
+def _filled(cover: dict[int, int], min_cover: float) -> list[int]:
     return sorted(f for f, n in cover.items() if n >= min_cover * HUGE_PAGE)
 
 
@@ -141,8 +150,8 @@ def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover:
         else:
             storages[copy] = (interval[1], [])
             moved += interval[1]
-    spans = {address: nbytes for address, (nbytes, _) in storages.items()}
-    frames = huge_page_frames(spans.items(), min_cover)
+    cover = _frame_cover((address, nbytes) for address, (nbytes, _) in storages.items())
+    frames = _filled(cover, min_cover)
     if not frames:
         return HugePageReport(moved_bytes=moved)
     collapsed, last_error = [], 0
@@ -152,8 +161,7 @@ def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover:
             collapsed.append(frame)
         else:
             last_error = ctypes.get_errno()
-    covered = _covered_bytes(merged(spans.items()), collapsed)
-    report = HugePageReport(len(frames), len(collapsed), covered, moved, time.perf_counter() - start,
+    report = HugePageReport(len(frames), len(collapsed), sum(cover[f] for f in collapsed), moved, time.perf_counter() - start,
                             None if collapsed else _why(last_error))
     logger.info("huge pages: %d of %d frames (%.1f MB of tensors, %.1f MB copied out of file mappings) in %.2f s%s",
                 report.collapsed, report.frames, report.bytes / 1e6, report.moved_bytes / 1e6, report.seconds,
@@ -228,19 +236,6 @@ def _anonymous_copy(interval: tuple[int, int], members: dict, madvise) -> int | 
             view.set_(buffer.untyped_storage(), view.storage_offset() + (offset + shift) // view.element_size(),
                       view.size(), view.stride())
     return buffer.data_ptr() + offset
-
-
-def _covered_bytes(spans: Iterable[tuple[int, int]], frames: list[int]) -> int:
-    done = set(frames)
-    total = 0
-    for start, length in spans:
-        end = start + length
-        frame = start - start % HUGE_PAGE
-        while frame < end:
-            if frame in done:
-                total += min(end, frame + HUGE_PAGE) - max(start, frame)
-            frame += HUGE_PAGE
-    return total
 
 
 def _madvise():

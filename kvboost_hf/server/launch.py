@@ -87,8 +87,7 @@ def load_served_model(args: argparse.Namespace):
             what = f"--model {args.model}" if args.model else "the embedded model"
             raise ServeError(f"{what} does not load ({first_line(err)}); pass a local model directory "
                              "or a Hugging Face model id") from err
-        if next(model.parameters()).device.type == "cpu":  # a server decodes for long: weights read faster
-            back_with_huge_pages(model)
+        back_with_huge_pages(model)  # a server decodes for long: weights read faster (CPU tensors only)
         return model, tokenizer
     if args.model is None:
         raise ServeError("--awq-streaming needs --model PATH of an AutoAWQ GEMM checkpoint (see kvboost-hf awq-pack)")
