@@ -38,13 +38,13 @@ def main() -> None:
     from transformers import DynamicCache
 
     from kvboost_hf.models import load_default_model
-    from kvboost_hf.models.huge_pages import back_with_huge_pages, module_tensors
+    from kvboost_hf.models.huge_pages import back_with_huge_pages
 
     bandwidth = {"4k": memory_bandwidth_gbs(), "huge": memory_bandwidth_gbs(huge_pages=True)}
     models = {"int4 4k": resident_int4_gemma(huge_pages=False)[0], "int4 huge": resident_int4_gemma()[0]}
     for name in ("bf16 float 4k", "bf16 float huge"):
         models[name] = load_default_model()[0].to(torch.bfloat16).eval()
-    report = back_with_huge_pages(module_tensors(models["bf16 float huge"]))
+    report = back_with_huge_pages(models["bf16 float huge"])
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, 20000, (1, 200), generator=gen)
     long = torch.randint(10, 20000, (1, 256), generator=gen)
