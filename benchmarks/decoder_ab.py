@@ -1,9 +1,11 @@
 """The fused decoder's Python-side choices, A/B in one process, call by call: Gemma-3-270M packed by ``awq-pack``
 (round-to-nearest, group 128, resident, bf16) on kvboost_hf's kernels.
 
+- ``decoder_step``: one ``torch.ops.kvboost.decoder_step`` call a forward on in-place cache layers against one
+  ``layer_step`` call a layer from Python (forced by answering None in ``_reserved``);
 - ``layer_step``: one ``torch.ops.kvboost.layer_step`` call a layer on in-place cache layers (the in-place
-  protocol, ``kvboost_hf.kernels.decoder``) against the four calls a layer (forced by answering False for every
-  cache in ``_updates_layers_only``);
+  protocol, ``kvboost_hf.kernels.decoder``; forced as for ``decoder_step``) against the four calls a layer (forced
+  by answering False for every cache in ``_updates_layers_only``);
 - ``witness``: the plan checked against its witness against the plan read again at every call
   (``kvboost_hf.kernels.plan``).
 
@@ -14,6 +16,7 @@ as a step's weights evict the CPU caches. Prints each way's median and the media
 ratios (the second way over the first: above 1, the first is faster). The host's drift between processes is larger
 than these differences; a pair's two calls are ~20-40 ms apart.
 
+    python benchmarks/decoder_ab.py --compare decoder_step --what decoder step draft --rounds 6
     python benchmarks/decoder_ab.py --compare layer_step --what decoder step draft --rounds 6
     python benchmarks/decoder_ab.py --compare witness --what decoder --sweep
 """
@@ -27,14 +30,18 @@ import torch
 
 
 def ways(compare: str) -> dict:
-    """The two ways of ``compare``, as (module, attribute, value) patches; the first is the package's own."""
+    """The two ways of ``compare``, each as its (module, attribute, value) patches; the first is the package's own."""
     from kvboost_hf.kernels import decoder, plan
 
+    if compare == "decoder_step":
+        return {"one call": [(decoder, "_reserved", decoder._reserved)],
+                "one call a layer": [(decoder, "_reserved", lambda *args: None)]}
     if compare == "layer_step":
-        return {"one call": (decoder, "_updates_layers_only", decoder._updates_layers_only),
-                "four calls": (decoder, "_updates_layers_only", lambda cache: False)}
-    return {"witness": (plan, "checked_plan", plan.checked_plan),
-            "read again": (plan, "checked_plan", plan.layer_plan)}
+        per_layer = (decoder, "_reserved", lambda *args: None)
+        return {"one call": [per_layer, (decoder, "_updates_layers_only", decoder._updates_layers_only)],
+                "four calls": [per_layer, (decoder, "_updates_layers_only", lambda cache: False)]}
+    return {"witness": [(plan, "checked_plan", plan.checked_plan)],
+            "read again": [(plan, "checked_plan", plan.layer_plan)]}
 
 
 def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, sweep: bool) -> dict:
@@ -51,8 +58,8 @@ def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, swe
             for i in range(pairs):
                 took = {}
                 for name in names if i % 2 == 0 else names[::-1]:
-                    owner, attribute, value = variants[name]
-                    setattr(owner, attribute, value)
+                    for owner, attribute, value in variants[name]:
+                        setattr(owner, attribute, value)
                     if sweep:
                         evict.add_(1)
                     start = time.perf_counter()
@@ -61,14 +68,16 @@ def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, swe
                 for name in names:
                     times[name].append(took[name])
                 ratios.append(took[names[1]] / took[names[0]])
-    owner, attribute, value = variants[names[0]]
-    setattr(owner, attribute, value)
+    for name in names[::-1]:  # the package's own last
+        for owner, attribute, value in variants[name]:
+            setattr(owner, attribute, value)
     return {"times": times, "ratios": ratios}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", choices=["layer_step", "witness"], default="layer_step")
+    parser.add_argument("--compare", choices=["decoder_step", "layer_step", "witness"],
+                        default="decoder_step")
     parser.add_argument("--what", nargs="+", choices=["decoder", "step", "draft"], default=["decoder"])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=30, help="pairs of calls a round")

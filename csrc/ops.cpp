@@ -411,6 +411,7 @@ TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
 // Inference-only ops: a backward through them raises ("... is not implemented"), rather than leaving gradients
 // silently None. In C++: a Python autograd registration cost ~4.5 us on every call, grad or not.
 TORCH_LIBRARY_IMPL(kvboost, Autograd, m) {
-  for (const char* name : {"attention", "rms_norm", "layer_attention_inputs", "layer_output", "layer_step"})
+  for (const char* name : {"attention", "rms_norm", "layer_attention_inputs", "layer_output", "layer_step",
+                           "decoder_step"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
 }

@@ -1,8 +1,10 @@
-// What ops.cpp shares with the other torch-facing translation unit (layer.cpp): the ops a decoder layer
-// composes.
+// What ops.cpp shares with the other torch-facing translation units (layer.cpp, decoder.cpp): the ops a decoder
+// layer composes.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kvboost_kernels.h"
@@ -34,3 +36,11 @@ at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps
 // torch.ops.kvboost.attention(query, key, value, None, scale, True, window): the result in query's dtype.
 at::Tensor kvb_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
                                 int64_t window);
+
+// torch.ops.kvboost.layer_step's kernel signature (layer.cpp), for typed calls through the dispatcher.
+using KvbLayerStep = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef, at::IntArrayRef,
+    const c10::List<std::optional<at::Tensor>>&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+    const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double,
+    const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, const at::Tensor&, const at::Tensor&, int64_t,
+    int64_t, double, int64_t);

@@ -13,7 +13,7 @@ import contextlib
 import operator
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, repeat
 
 from torch import nn
@@ -60,6 +60,13 @@ class Plan:
 
     layers: list  # (LayerArguments, cache index, head size, scale, window or 0) per layer, in order
     types: list | None  # the layers' types (Gemma 3's rotary per type), else None
+    rotary: tuple = field(init=False)  # the rotary embeddings' kinds a call computes: the types in order, or (None,)
+    rope: tuple = field(init=False)  # each layer's index into rotary
+    fused: object = None  # the layers as one torch.classes.kvboost.DecoderLayers, made at its first use
+
+    def __post_init__(self) -> None:
+        self.rotary = (None,) if self.types is None else tuple(dict.fromkeys(self.types))
+        self.rope = (0,) * len(self.layers) if self.types is None else tuple(map(self.rotary.index, self.types))
 
 
 

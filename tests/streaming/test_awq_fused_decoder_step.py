@@ -1,0 +1,161 @@
+"""One ``torch.ops.kvboost.decoder_step`` call a forward on in-place cache layers (``kernels.decoder``): the layers'
+arguments held by a ``torch.classes.kvboost.DecoderLayers`` made once per plan, the same ``layer_step`` calls in the
+same order, so the bits and the cache state of one ``layer_step`` call a layer from Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_hf.cache import buffer
+from kvboost_hf.kernels import decoder as fused_decoder
+from kvboost_hf.kernels.plan import checked_plan
+from tests.streaming.test_awq_fused_decoder import awq_model, fast_loops, kernels_built, tiny_mistral_awq  # noqa: F401
+from tests.streaming.test_awq_fused_layer_step import decode, new_cache, op_calls
+
+DECODER_OP = "kvboost::decoder_step"
+
+
+def per_layer(monkeypatch) -> None:
+    """Makes the fused decoder call ``layer_step`` once a layer from Python (as where a layer declines to reserve)."""
+    monkeypatch.setattr(fused_decoder, "_reserved", lambda *args: None)
+
+
+def op_counts(fn) -> tuple:
+    """``(fn(), decoder_step calls, layer_step calls)``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = fn()
+    names = [event.name for event in prof.events()]
+    return result, names.count(DECODER_OP), names.count("kvboost::layer_step")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])  # two rotary kinds (sliding and full layers), and one
+@pytest.mark.parametrize("kind", ["dynamic", "recording", "buffered", "reuse"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_call_a_forward_gives_the_bits_and_the_cache_of_one_call_a_layer(
+        family, kind, batch, tiny_awq, tiny_mistral_awq, kernels_built, fast_loops, monkeypatch):
+    """Past the sliding window (16 tokens) and through many refills of the buffers (2 spare tokens each)."""
+    monkeypatch.setattr(buffer, "SPARE_TOKENS", 2)
+    model = awq_model(family, tiny_awq, tiny_mistral_awq)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 96, (batch, 40), generator=torch.Generator().manual_seed(40 + batch))
+    with torch.no_grad():
+        one_cache = new_cache(kind, model.config)
+        one, decoder_calls, layer_calls = op_counts(lambda: decode(model, one_cache, ids))
+        with monkeypatch.context() as patch:
+            per_layer(patch)
+            each_cache = new_cache(kind, model.config)
+            each, none, each_calls = op_counts(lambda: decode(model, each_cache, ids))
+    assert fast_loops["n"] == 2 * 21 and none == 0
+    # every step but the first after each refill (one in three with 2 spare tokens), never at the prefill; each call
+    # runs every layer through layer_step, as the per-layer loop does
+    assert 10 <= decoder_calls < 20 and layer_calls == layers * decoder_calls == each_calls
+    assert torch.equal(one, each)
+    for a, b in zip(one_cache.layers, each_cache.layers):
+        assert type(a) is type(b)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a.get_seq_length() == b.get_seq_length()
+        if a.is_sliding:
+            assert a.cumulative_length == b.cumulative_length
+        if kind == "reuse":
+            for x, y in zip(a.full_states(), b.full_states()):
+                assert torch.equal(x, y)
+
+
+def test_the_decoder_layers_are_made_once_per_plan(tiny_awq, kernels_built):
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        cache = new_cache("buffered", model.config)
+        decode(model, cache, ids)
+        plan = checked_plan(model.model, cache)
+        fused = plan.fused
+        assert fused is not None and fused.size() == model.config.num_hidden_layers
+        assert len(plan.rotary) == 2 and set(plan.rope) == {0, 1}  # Gemma 3: a rotary embedding per layer type
+        decode(model, new_cache("buffered", model.config), ids)
+        assert checked_plan(model.model, cache) is plan and plan.fused is fused
+        model.model.layers[1].self_attn.scaling = 0.5  # read by the plan: a new plan, new layers at its first use
+        decode(model, new_cache("buffered", model.config), ids)
+        again = checked_plan(model.model, cache)
+    assert again is not plan and again.fused is not None and again.fused is not fused
+
+
+def test_a_weight_repointed_in_place_is_read_where_it_is_now(tiny_awq, kernels_built, monkeypatch):
+    """``Tensor.set_`` keeps the tensor object (the plan still holds, as after ``back_with_huge_pages``): the held
+    layers read its data where it is at each call, never the memory it left."""
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 26), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = decode(model, new_cache("buffered", model.config), ids)
+        plan = checked_plan(model.model, new_cache("buffered", model.config))
+        weight = plan.layers[2][0].qweights[5]  # up_proj's codes
+        moved = torch.flip(weight, dims=(1,)).contiguous()  # other codes: other outputs
+        weight.set_(moved)
+        after, decoder_calls, _ = op_counts(lambda: decode(model, new_cache("buffered", model.config), ids))
+        assert checked_plan(model.model, new_cache("buffered", model.config)).fused is plan.fused
+        with monkeypatch.context() as patch:
+            per_layer(patch)
+            expected = decode(model, new_cache("buffered", model.config), ids)
+    assert decoder_calls > 0
+    assert not torch.equal(after, before)
+    assert torch.equal(after, expected)
+
+
+def test_the_one_call_op_refuses_lists_that_do_not_match_its_layers(tiny_awq, kernels_built):
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        decode(model, new_cache("buffered", model.config), ids)
+    plan = checked_plan(model.model, new_cache("buffered", model.config))
+    layers, count = plan.fused, len(plan.layers)
+    hidden = torch.zeros(1, 1, model.config.hidden_size, dtype=torch.bfloat16)
+    cos = torch.zeros(1, 1, model.config.head_dim, dtype=torch.bfloat16)
+    kv_heads = plan.layers[0][0].outs[1] // model.config.head_dim
+    buffers = [torch.zeros(1, kv_heads, 8, model.config.head_dim, dtype=torch.bfloat16) for _ in range(count)]
+    step = torch.ops.kvboost.decoder_step
+    with pytest.raises(RuntimeError, match=f"expected {count} key buffers"):
+        step(layers, hidden, [cos, cos], [cos, cos], buffers[1:], buffers[1:], [0] * (count - 1), [0] * (count - 1))
+    values = [b.clone() for b in buffers]
+    with pytest.raises(RuntimeError, match="takes cos/sin 1 of 1"):  # Gemma 3's layers take two kinds
+        step(layers, hidden, [cos], [cos], buffers, values, [0] * count, [0] * count)
+    assert not any(b.any() for b in buffers + values)  # refused before any layer wrote
+    out, keys, _ = step(layers, hidden, [cos, cos], [cos, cos], buffers, values, [0] * count, [2] * count)
+    assert out.shape == hidden.shape and len(keys) == count and torch.equal(buffers[-1][:, :, 2:3], keys[-1])
+    with pytest.raises(RuntimeError, match="as many cos as sin"):
+        step(layers, hidden, [cos, cos], [cos], buffers, buffers, [0] * count, [0] * count)
+    a = plan.layers[0][0]
+    with pytest.raises(RuntimeError, match="7 projections"):
+        torch.classes.kvboost.DecoderLayers().add(a.qweights[:6], a.sides[:6], a.outs[:6], a.groups[:6],
+                                                  a.biases[:6], *a.norms, a.eps, None, None, 0.0, 4, "gelu_tanh",
+                                                  0.25, 0, 0)
+
+
+def test_the_one_call_op_writes_only_what_its_schema_marks(tiny_awq, kernels_built):
+    """The buffers (marked (a!)/(b!)) and nothing else: its other inputs keep their values and version counters
+    (opcheck's schema test cannot take a torch.classes argument: it calls len() on each); its autograd registration
+    is the not-implemented fallback, as layer_step's (opcheck)."""
+    model = awq_model("gemma3", tiny_awq, None)
+    with torch.no_grad():
+        decode(model, new_cache("buffered", model.config), torch.randint(3, 96, (1, 22)))
+    plan = checked_plan(model.model, new_cache("buffered", model.config))
+    count, head_dim = len(plan.layers), model.config.head_dim
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(1, 2, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    cos = [torch.randn(1, 2, head_dim, generator=gen).to(torch.bfloat16) for _ in range(4)]
+    shape = (1, plan.layers[0][0].outs[1] // head_dim, 8, head_dim)
+    keys = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(count)]
+    values = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(count)]
+    weights = [t for a, *_ in plan.layers for t in (*a.qweights, *a.sides, *a.norms) if t is not None]
+    inputs = [hidden, *cos, *weights]
+    copies, versions = [t.clone() for t in inputs], [t._version for t in inputs]
+    key_versions = [k._version for k in keys]
+    args = (plan.fused, hidden, cos[:2], cos[2:], keys, values, [0] * count, [3] * count)
+    with torch.no_grad():
+        out, new_keys, new_values = torch.ops.kvboost.decoder_step(*args)
+    assert all(torch.equal(t, c) for t, c in zip(inputs, copies)) and [t._version for t in inputs] == versions
+    for k, v, nk, nv, before in zip(keys, values, new_keys, new_values, key_versions):
+        assert torch.equal(k[:, :, 3:5], nk) and torch.equal(v[:, :, 3:5], nv) and k._version > before
+        assert not k[:, :, :3].any() and not k[:, :, 5:].any() and not v[:, :, 5:].any()
+    result = torch.library.opcheck(torch.ops.kvboost.decoder_step.default, args,
+                                   test_utils=("test_autograd_registration",))
+    assert set(result.values()) == {"SUCCESS"}
