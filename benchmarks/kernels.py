@@ -13,7 +13,9 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   torch dense bf16 and fp32; the 262k x 640 LM head: kvboost bf16 (blocked layout, and nn.Linear's own
   [N, K] layout that an int4 model's tied head runs on) against torch bf16/fp32;
 - the whole model packed by ``awq-pack`` (round-to-nearest, group 128, resident): decode step after a
-  200-token prompt, a 9-row forward there (verification), a 256-token prefill, for kernel="kvboost"
+  200-token prompt and 3 steps (as decoding runs: past the refill of the prefill's exact cache buffers; session
+  16's and earlier figures timed the first step, a refill), a 9-row forward there (verification), a 256-token
+  prefill, for kernel="kvboost"
   (also "decoder unfused": transformers' decoder forward around the fused layers instead of the fused
   decoder's loop; "layers unfused": the decoder layers' own forward instead of the fused layer ops; "GEMMs only":
   that and its projections unfused, HF's RMSNorm modules and bf16 attention; the same model object
@@ -131,6 +133,8 @@ def whole_model(reps: int) -> dict:
         # The draft's cache appends in place, as a ChunkReuseCache (what speculation gives a draft) does.
         cache = BufferedCache(config=m.config) if m is draft else DynamicCache(config=m.config)
         m(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(3):  # a step as decoding runs it: the refill after the prefill's exact buffers done
+            m(prompt[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
 
     times = ForwardTimes(prompt, long, prefilled)
