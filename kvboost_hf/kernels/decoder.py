@@ -242,11 +242,14 @@ def _position_embeddings(decoder: nn.Module, hidden: torch.Tensor, positions: to
 
 def _reserved(cache_layers, plan: Plan, batch: int, rows: int, dtype: torch.dtype) -> tuple | None:
     """``torch.ops.kvboost.decoder_step``'s key buffers, value buffers, first keys and new rows' positions, one per
-    layer, from each cache layer's ``kvboost_reserve``; None where a layer does not take the protocol now (then
-    every layer runs as the per-layer loop decides: reserving changes nothing a second reserve or update sees)."""
+    layer, from each cache layer's ``kvboost_reserve``; None where a layer does not take the protocol now, or one
+    cache layer object stands at two indices (then every layer runs as the per-layer loop decides: reserving
+    changes nothing a second reserve or update sees)."""
+    layers = [cache_layers[index] for _, index, *_ in plan.layers]
+    if len(set(map(id, layers))) != len(layers):  # one layer object at two indices: each must see the other's append
+        return None
     keys, values, firsts, ends = [], [], [], []
-    for arguments, index, head_dim, _, _ in plan.layers:
-        layer = cache_layers[index]
+    for (arguments, _, head_dim, _, _), layer in zip(plan.layers, layers):
         reserve = _reserver(layer)
         slots = reserve and reserve(layer, (batch, arguments.outs[1] // head_dim, rows, head_dim), dtype)
         if not slots:

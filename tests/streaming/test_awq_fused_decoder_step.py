@@ -159,3 +159,23 @@ def test_the_one_call_op_writes_only_what_its_schema_marks(tiny_awq, kernels_bui
     result = torch.library.opcheck(torch.ops.kvboost.decoder_step.default, args,
                                    test_utils=("test_autograd_registration",))
     assert set(result.values()) == {"SUCCESS"}
+
+
+def test_one_cache_layer_at_two_indices_runs_layer_by_layer(tiny_awq, kernels_built, monkeypatch):
+    """Reserving every layer first would give both indices the same row: the per-layer loop appends one after the
+    other. (transformers' own forward cannot run such a cache: its masks follow the doubled length.)"""
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 26), generator=torch.Generator().manual_seed(10))
+
+    def shared_cache():
+        cache = new_cache("buffered", model.config)
+        cache.layers[1] = cache.layers[0]  # two sliding layers of one kind
+        return cache
+
+    with torch.no_grad():
+        got, decoder_calls, _ = op_counts(lambda: decode(model, shared_cache(), ids))
+        with monkeypatch.context() as patch:
+            per_layer(patch)
+            expected = decode(model, shared_cache(), ids)
+    assert decoder_calls == 0
+    assert torch.equal(got, expected)
