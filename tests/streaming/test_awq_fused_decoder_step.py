@@ -11,7 +11,7 @@ from kvboost_hf.cache import buffer
 from kvboost_hf.kernels import decoder as fused_decoder
 from kvboost_hf.kernels.plan import checked_plan
 from tests.streaming.test_awq_fused_decoder import awq_model, fast_loops, kernels_built, tiny_mistral_awq  # noqa: F401
-from tests.streaming.test_awq_fused_layer_step import decode, new_cache
+from tests.streaming.test_awq_fused_layer_step import assert_same_cache, decode, new_cache
 
 DECODER_OP = "kvboost::decoder_step"
 
@@ -51,15 +51,7 @@ def test_one_call_a_forward_gives_the_bits_and_the_cache_of_one_call_a_layer(
     # runs every layer through layer_step, as the per-layer loop does
     assert 10 <= decoder_calls < 20 and layer_calls == layers * decoder_calls == each_calls
     assert torch.equal(one, each)
-    for a, b in zip(one_cache.layers, each_cache.layers):
-        assert type(a) is type(b)
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        assert a.get_seq_length() == b.get_seq_length()
-        if a.is_sliding:
-            assert a.cumulative_length == b.cumulative_length
-        if kind == "reuse":
-            for x, y in zip(a.full_states(), b.full_states()):
-                assert torch.equal(x, y)
+    assert_same_cache(one_cache, each_cache)
 
 
 def test_the_decoder_layers_are_made_once_per_plan(tiny_awq, kernels_built):
