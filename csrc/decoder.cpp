@@ -1,14 +1,14 @@
 // A fused decoder's forward over in-place cache layers as one op call: `decoder_step` runs `layer_step` (layer.cpp)
-// for every layer in order, with the layers' weights held by a `DecoderLayers` object built once per plan
-// (kvboost_hf.kernels.decoder). The same op calls in the same order as a Python loop of layer_step calls, through
-// the dispatcher (a profiler sees each): the same bits. What it saves is the interpreter: a loop of 18 calls built
-// and converted ~24 arguments a layer (7-tensor lists among them) on every decode step.
+// for every layer in order, through the dispatcher (a profiler sees each), so the bits are those of a Python loop of
+// layer_step calls. What it saves is the interpreter between the calls (kvboost_hf.kernels.decoder).
 //
-// The object holds the weights' tensors, not their data pointers: each call reads the pointers again, as a layer_step
-// call from Python does, so a weight repointed in place (Tensor.set_, huge pages) is read where it is now.
+// The layers' arguments come as flat lists, layer after layer, on every call: the decoder's plan keeps the lists
+// (Python references to the modules' tensors), and nothing here outlives the call. A C++ object holding the weights
+// across calls was tried first: its references raised the tensors' use counts, so torch.utils.swap_tensors (and with
+// it Module.to or load_state_dict under torch.__future__.set_swap_module_params_on_conversion) refused them, and
+// a swap would have left it reading the old tensors.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <string>
@@ -19,40 +19,8 @@
 
 namespace {
 
-// One layer's layer_step arguments up to the hidden states (cos and sin are the call's `rope`-th).
-struct DecoderLayer {
-  std::vector<at::Tensor> qweights, sides;
-  std::vector<int64_t> outs, groups;
-  c10::List<std::optional<at::Tensor>> biases;
-  at::Tensor input_norm, ffn_norm;
-  std::optional<at::Tensor> post_attention_norm, post_ffn_norm, q_norm, k_norm;
-  double eps, head_eps, scale;
-  int64_t head_dim, window, rope;
-  std::string activation;
-};
-
-struct DecoderLayers : torch::CustomClassHolder {
-  std::vector<DecoderLayer> layers;
-
-  // Appends a layer (the arguments of layer_step in its order, then its attention's scale and window and which of
-  // the call's cos/sin it takes). Checked as layer_step checks them, at each call.
-  void add(std::vector<at::Tensor> qweights, std::vector<at::Tensor> sides, std::vector<int64_t> outs,
-           std::vector<int64_t> groups, c10::List<std::optional<at::Tensor>> biases, at::Tensor input_norm,
-           std::optional<at::Tensor> post_attention_norm, at::Tensor ffn_norm, std::optional<at::Tensor> post_ffn_norm,
-           double eps, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, double head_eps,
-           int64_t head_dim, std::string activation, double scale, int64_t window, int64_t rope) {
-    TORCH_CHECK(qweights.size() == 7 && sides.size() == 7 && outs.size() == 7 && groups.size() == 7 &&
-                    biases.size() == 7,
-                "a decoder layer has 7 projections (q, k, v, o, gate, up, down), got ", qweights.size());
-    TORCH_CHECK(rope >= 0, "rope must be an index into the call's cos/sin, got ", rope);
-    layers.push_back({std::move(qweights), std::move(sides), std::move(outs), std::move(groups), std::move(biases),
-                      std::move(input_norm), std::move(ffn_norm), std::move(post_attention_norm),
-                      std::move(post_ffn_norm), std::move(q_norm), std::move(k_norm), eps, head_eps, scale, head_dim,
-                      window, rope, std::move(activation)});
-  }
-
-  int64_t size() const { return static_cast<int64_t>(layers.size()); }
-};
+constexpr int64_t kProjections = 7;  // q, k, v, o, gate, up, down
+constexpr int64_t kNorms = 4;        // input, post-attention (or None), feed-forward, post-feed-forward (or None)
 
 const c10::TypedOperatorHandle<KvbLayerStep>& layer_step_op() {
   static const auto op =
@@ -60,19 +28,49 @@ const c10::TypedOperatorHandle<KvbLayerStep>& layer_step_op() {
   return op;
 }
 
-// hidden [B, M, E] through every layer: layer i writes its new keys and values at [ends[i], ends[i] + M) of
-// key_buffers[i] / value_buffers[i] and attends over [firsts[i], ends[i] + M) of them (layer_step). Returns the last
-// layer's output and each layer's new keys and values.
+c10::List<std::optional<at::Tensor>> slice(const c10::List<std::optional<at::Tensor>>& list, int64_t first,
+                                           int64_t count) {
+  c10::List<std::optional<at::Tensor>> out;
+  out.reserve(count);
+  for (int64_t i = first; i < first + count; ++i) out.push_back(list.get(i));
+  return out;
+}
+
+// hidden [B, M, E] through n layers: layer i takes projections [7i, 7i + 7) of qweights, sides, outs, groups and
+// biases, norms [4i, 4i + 4), head norms [2i, 2i + 2) (q, k; both None without), eps[i], head_eps[i], head_dims[i],
+// activations[i], scales[i], windows[i] and the ropes[i]-th cos/sin, writes its new keys and values at
+// [ends[i], ends[i] + M) of key_buffers[i] / value_buffers[i] and attends over [firsts[i], ends[i] + M) of them
+// (layer_step). Returns the last layer's output and each layer's new keys and values.
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_step(
-    const c10::intrusive_ptr<DecoderLayers>& decoder, const at::Tensor& hidden, at::TensorList cos, at::TensorList sin,
-    at::TensorList key_buffers, at::TensorList value_buffers, at::IntArrayRef firsts, at::IntArrayRef ends) {
-  const size_t n = decoder->layers.size();
-  TORCH_CHECK(key_buffers.size() == n && value_buffers.size() == n && firsts.size() == n && ends.size() == n,
-              "expected ", n, " key buffers, value buffers, firsts and ends (one per layer)");
+    const at::Tensor& hidden, at::TensorList qweights, at::TensorList sides, at::IntArrayRef outs,
+    at::IntArrayRef groups, const c10::List<std::optional<at::Tensor>>& biases,
+    const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
+    const c10::List<std::optional<at::Tensor>>& head_norms, at::ArrayRef<double> head_eps, at::IntArrayRef head_dims,
+    const std::vector<std::string>& activations, at::ArrayRef<double> scales, at::IntArrayRef windows,
+    at::IntArrayRef ropes, at::TensorList cos, at::TensorList sin, at::TensorList key_buffers,
+    at::TensorList value_buffers, at::IntArrayRef firsts, at::IntArrayRef ends) {
+  const int64_t n = static_cast<int64_t>(key_buffers.size());
+  auto sized = [n](size_t size, int64_t per) { return static_cast<int64_t>(size) == n * per; };
+  TORCH_CHECK(sized(qweights.size(), kProjections) && sized(sides.size(), kProjections) &&
+                  sized(outs.size(), kProjections) && sized(groups.size(), kProjections) &&
+                  sized(biases.size(), kProjections),
+              "expected ", kProjections, " projections (weights, sides, outs, groups, biases) for each of ", n,
+              " layers");
+  TORCH_CHECK(sized(norms.size(), kNorms) && sized(head_norms.size(), 2), "expected ", kNorms, " norms and 2 head ",
+              "norms for each of ", n, " layers");
+  TORCH_CHECK(sized(value_buffers.size(), 1) && sized(firsts.size(), 1) && sized(ends.size(), 1) &&
+                  sized(eps.size(), 1) && sized(head_eps.size(), 1) && sized(head_dims.size(), 1) &&
+                  sized(activations.size(), 1) && sized(scales.size(), 1) && sized(windows.size(), 1) &&
+                  sized(ropes.size(), 1),
+              "expected ", n, " key buffers, value buffers, firsts, ends, eps, head eps, head dims, activations, ",
+              "scales, windows and ropes (one per layer)");
   TORCH_CHECK(cos.size() == sin.size(), "give as many cos as sin tensors");
-  for (size_t i = 0; i < n; ++i)  // before any layer writes its buffers
-    TORCH_CHECK(decoder->layers[i].rope < static_cast<int64_t>(cos.size()), "layer ", i, " takes cos/sin ",
-                decoder->layers[i].rope, " of ", cos.size());
+  for (int64_t i = 0; i < n; ++i) {  // before any layer writes its buffers
+    TORCH_CHECK(0 <= ropes[i] && ropes[i] < static_cast<int64_t>(cos.size()), "layer ", i, " takes cos/sin ",
+                ropes[i], " of ", cos.size());
+    TORCH_CHECK(norms.get(kNorms * i).has_value() && norms.get(kNorms * i + 2).has_value(), "layer ", i,
+                " needs its input and feed-forward norms");
+  }
   const auto& step = layer_step_op();
   // Below autograd (this op's own Autograd kernel is the not-implemented fallback, as layer_step's): each layer
   // call goes to its CPU kernel without boxing its arguments for that fallback again.
@@ -80,12 +78,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   at::Tensor h = hidden;
   std::vector<at::Tensor> keys, values;
   keys.reserve(n), values.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const DecoderLayer& l = decoder->layers[i];
-    auto [next, k, v] =
-        step.call(h, l.qweights, l.sides, l.outs, l.groups, l.biases, l.input_norm, l.post_attention_norm, l.ffn_norm,
-                  l.post_ffn_norm, l.eps, l.q_norm, l.k_norm, l.head_eps, cos[l.rope], sin[l.rope], l.head_dim,
-                  l.activation, key_buffers[i], value_buffers[i], firsts[i], ends[i], l.scale, l.window);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = kProjections * i, r = kNorms * i;
+    auto [next, k, v] = step.call(
+        h, qweights.slice(p, kProjections), sides.slice(p, kProjections), outs.slice(p, kProjections),
+        groups.slice(p, kProjections), slice(biases, p, kProjections), *norms.get(r), norms.get(r + 1),
+        *norms.get(r + 2), norms.get(r + 3), eps[i], head_norms.get(2 * i), head_norms.get(2 * i + 1), head_eps[i],
+        cos[ropes[i]], sin[ropes[i]], head_dims[i], activations[i], key_buffers[i], value_buffers[i], firsts[i],
+        ends[i], scales[i], windows[i]);
     h = std::move(next);
     keys.push_back(std::move(k));
     values.push_back(std::move(v));
@@ -96,13 +96,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvboost, m) {
-  m.class_<DecoderLayers>("DecoderLayers")
-      .def(torch::init<>())
-      .def("add", &DecoderLayers::add)
-      .def("size", &DecoderLayers::size);
   m.def(
-      "decoder_step(__torch__.torch.classes.kvboost.DecoderLayers decoder, Tensor hidden, Tensor[] cos, Tensor[] sin, "
-      "Tensor(a!)[] key_buffers, Tensor(b!)[] value_buffers, int[] firsts, int[] ends) -> (Tensor, Tensor[], Tensor[])");
+      "decoder_step(Tensor hidden, Tensor[] qweights, Tensor[] sides, int[] outs, int[] groups, Tensor?[] biases, "
+      "Tensor?[] norms, float[] eps, Tensor?[] head_norms, float[] head_eps, int[] head_dims, str[] activations, "
+      "float[] scales, int[] windows, int[] ropes, Tensor[] cos, Tensor[] sin, Tensor(a!)[] key_buffers, "
+      "Tensor(b!)[] value_buffers, int[] firsts, int[] ends) -> (Tensor, Tensor[], Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(kvboost, CPU, m) { m.impl("decoder_step", &decoder_step); }

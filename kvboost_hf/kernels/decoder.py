@@ -36,8 +36,8 @@ states there and attends over them, and commit leaves the layer as its update wo
 same order as the four calls it replaces: the same bits, one call instead of four and no cache update in Python
 (kvboost_hf's in-place layers, ``kvboost_hf.cache.buffer``, implement it). Where every layer reserves, the whole
 forward is one ``torch.ops.kvboost.decoder_step`` call: every layer reserved first, then each layer's ``layer_step``
-in order inside it (through the dispatcher, the layers' arguments held by a ``torch.classes.kvboost.DecoderLayers``
-made once per plan), then each layer committed: the same calls without the interpreter between them (Gemma-3-270M
+in order inside it (through the dispatcher; the layers' arguments as flat lists the plan keeps), then each layer
+committed: the same calls without the interpreter between them (Gemma-3-270M
 int4, 2 cores: decoder 7.25 -> 5.82 ms, benchmarks/decoder_ab.py). Where a layer does not reserve, each layer is
 one ``layer_step`` call or the four calls, as it takes them. Each class on the way that defines
 ``update`` binds ``kvboost_update = update`` next to it: an ``update`` patched on such a class, on transformers'
@@ -118,7 +118,7 @@ class KernelDecoderMixin:
             slots = _reserved(cache_layers, plan, batch, rows, hidden.dtype)
             if slots is not None:
                 hidden, keys, values = torch.ops.kvboost.decoder_step(
-                    _decoder_layers(plan), hidden, [c for c, _ in embeddings], [s for _, s in embeddings], *slots)
+                    hidden, *_decoder_arguments(plan), [c for c, _ in embeddings], [s for _, s in embeddings], *slots)
                 for (_, index, *_), k, v in zip(plan.layers, keys, values):
                     cache_layers[index].kvboost_commit(k, v)
                 return hidden
@@ -243,8 +243,9 @@ def _position_embeddings(decoder: nn.Module, hidden: torch.Tensor, positions: to
 def _reserved(cache_layers, plan: Plan, batch: int, rows: int, dtype: torch.dtype) -> tuple | None:
     """``torch.ops.kvboost.decoder_step``'s key buffers, value buffers, first keys and new rows' positions, one per
     layer, from each cache layer's ``kvboost_reserve``; None where a layer does not take the protocol now, or one
-    cache layer object stands at two indices (then every layer runs as the per-layer loop decides: reserving
-    changes nothing a second reserve or update sees)."""
+    cache layer object stands at two indices or two layers reserve one buffer (each must see the other's append:
+    then every layer runs as the per-layer loop decides; reserving changes nothing a second reserve or update
+    sees)."""
     layers = [cache_layers[index] for _, index, *_ in plan.layers]
     if len(set(map(id, layers))) != len(layers):  # one layer object at two indices: each must see the other's append
         return None
@@ -258,19 +259,24 @@ def _reserved(cache_layers, plan: Plan, batch: int, rows: int, dtype: torch.dtyp
         values.append(slots[1])
         firsts.append(slots[2])
         ends.append(slots[3])
+    if len(set(map(id, keys + values))) != 2 * len(keys):  # layers sharing one buffer (a shallow copy of a layer)
+        return None
     return keys, values, firsts, ends
 
 
-def _decoder_layers(plan: Plan):
-    """``plan``'s layers as the ``torch.classes.kvboost.DecoderLayers`` that ``decoder_step`` takes (made once per
-    plan: it holds the arguments' tensors, which a plan read again replaces with the plan)."""
+def _decoder_arguments(plan: Plan) -> tuple:
+    """``torch.ops.kvboost.decoder_step``'s arguments for ``plan``'s layers, from the projections' weights to the
+    rotary indices, as flat lists layer after layer (made once per plan, at its first use: the plan's own tensor
+    objects, so a tensor swapped or repointed in place is passed as it is at each call)."""
     if plan.fused is None:
-        layers = torch.classes.kvboost.DecoderLayers()
+        lists = [[] for _ in range(14)]
         for (a, _, head_dim, scale, window), rope in zip(plan.layers, plan.rope):
             q_norm, k_norm, head_eps = a.head_norms or (None, None, 0.0)
-            layers.add(a.qweights, a.sides, a.outs, a.groups, a.biases, *a.norms, a.eps, q_norm, k_norm, head_eps,
-                       head_dim, a.activation, scale, window, rope)
-        plan.fused = layers
+            for held, more in zip(lists, (a.qweights, a.sides, a.outs, a.groups, a.biases, a.norms, [a.eps],
+                                          [q_norm, k_norm], [head_eps], [head_dim], [a.activation], [scale],
+                                          [window], [rope])):
+                held.extend(more)
+        plan.fused = tuple(lists)
     return plan.fused
 
 

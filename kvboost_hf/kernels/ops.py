@@ -187,3 +187,11 @@ def _register_fakes() -> None:
         return hidden.new_empty(hidden.shape), kv, torch.empty_like(kv)
 
     torch.library.register_fake("kvboost::layer_step")(layer_step)
+
+    def decoder_step(hidden, qweights, sides, outs, groups, biases, norms, eps, head_norms, head_eps, head_dims,
+                     *args):
+        batch, rows = hidden.shape[:2]
+        keys = [hidden.new_empty((batch, outs[7 * i + 1] // dim, rows, dim)) for i, dim in enumerate(head_dims)]
+        return hidden.new_empty(hidden.shape), keys, [torch.empty_like(k) for k in keys]
+
+    torch.library.register_fake("kvboost::decoder_step")(decoder_step)

@@ -62,7 +62,7 @@ class Plan:
     types: list | None  # the layers' types (Gemma 3's rotary per type), else None
     rotary: tuple = field(init=False)  # the rotary embeddings' kinds a call computes: the types in order, or (None,)
     rope: tuple = field(init=False)  # each layer's index into rotary
-    fused: object = None  # the layers as one torch.classes.kvboost.DecoderLayers, made at its first use
+    fused: tuple | None = None  # decoder_step's per-layer arguments as flat lists, made at their first use
 
     def __post_init__(self) -> None:
         self.rotary = (None,) if self.types is None else tuple(dict.fromkeys(self.types))
