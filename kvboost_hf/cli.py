@@ -127,6 +127,9 @@ def _serve(args: argparse.Namespace) -> int:
     from kvboost_hf.server.launch import serve
 
     logging.getLogger("kvboost_hf").setLevel(args.log_level.upper())
+    from kvboost_hf.server.heap_pages import log_restart
+
+    log_restart()
     try:
         if args.ray:
             from kvboost_hf.cluster.app import serve_on_ray
@@ -175,11 +178,17 @@ _COMMANDS = {"plan": _plan, "awq-pack": _awq_pack, "serve": _serve, "model": _mo
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``kvboost-hf`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status
-    (0, or 2 for a bad flag; ``--help`` and ``--version`` print and return 0)."""
+    (0, or 2 for a bad flag; ``--help`` and ``--version`` print and return 0). As the command line itself
+    (``argv`` None), ``serve`` first restarts the process with malloc's heap on huge pages where it can
+    (:mod:`kvboost_hf.server.heap_pages`)."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help, --version, or a one-line argparse error
         return done.code if isinstance(done.code, int) else 0
+    if argv is None and args.command == "serve":
+        from kvboost_hf.server.heap_pages import restart_with_huge_page_heap
+
+        restart_with_huge_page_heap()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return _COMMANDS[args.command](args)
 
