@@ -15,6 +15,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -153,6 +155,23 @@ void rope_rows(const T* x, const T* cos, const T* sin, int64_t cb, int64_t cm, i
   });
 }
 
+// The strides of t (cos or sin) expanded to [batch, rows, dim], as expand() gives them (0 where a size 1 is
+// broadcast), without its op call; refused where expand() would refuse.
+std::array<int64_t, 3> broadcast_strides(const at::Tensor& t, int64_t batch, int64_t rows, int64_t dim) {
+  const int64_t target[3] = {batch, rows, dim};
+  TORCH_CHECK(t.dim() <= 3, "cos and sin must have at most 3 dimensions, got ", t.sizes());
+  std::array<int64_t, 3> strides{0, 0, 0};
+  for (int64_t d = 0; d < 3; ++d) {
+    const int64_t own = d - (3 - t.dim());  // t's dimension aligned with d from the right, or < 0
+    const int64_t size = own < 0 ? 1 : t.size(own);
+    TORCH_CHECK(size == target[d] || size == 1, "cos and sin of shape ", t.sizes(), " do not broadcast to [", batch,
+                ", ", rows, ", ", dim, "]");
+    strides[d] = own < 0 || (size == 1 && target[d] != 1) ? 0 : t.stride(own);
+    if (target[d] == 1) strides[d] = d == 2 ? 1 : 0;  // (a stride of a size-1 dimension is never read)
+  }
+  return strides;
+}
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.size(3) % 2 == 0, "RoPE needs an even head_dim, got ", x.size(3));
   if (x.numel() > kKvbLoopElements) {  // transformers' apply_rotary_pos_emb, op for op
@@ -162,16 +181,16 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   }
   const at::Tensor xc = x.contiguous();
   const int64_t batch = xc.size(0), heads = xc.size(1), rows = xc.size(2), dim = xc.size(3);
-  const at::Tensor c = cos.expand({batch, rows, dim}), s = sin.expand({batch, rows, dim});
-  TORCH_CHECK(c.stride(2) == 1 && s.stride(2) == 1 && c.strides() == s.strides(),
-              "cos and sin must have one layout, contiguous in the last dimension");
-  at::Tensor out = at::empty_like(xc);
+  const std::array<int64_t, 3> c = broadcast_strides(cos, batch, rows, dim), s = broadcast_strides(sin, batch, rows, dim);
+  TORCH_CHECK(c[2] == 1 && s[2] == 1 && c == s, "cos and sin must have one layout, contiguous in the last dimension");
+  const int64_t cb = c[0], cm = c[1];
+  at::Tensor out = at::empty(xc.sizes(), xc.options());
   if (xc.scalar_type() == at::kBFloat16)
-    rope_rows(xc.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), c.stride(0),
-              c.stride(1), batch, heads, rows, dim, out.data_ptr<c10::BFloat16>());
+    rope_rows(xc.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), cb, cm,
+              batch, heads, rows, dim, out.data_ptr<c10::BFloat16>());
   else
-    rope_rows(xc.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), c.stride(0), c.stride(1), batch, heads,
-              rows, dim, out.data_ptr<float>());
+    rope_rows(xc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cb, cm, batch, heads, rows, dim,
+              out.data_ptr<float>());
   return out;
 }
 
@@ -258,6 +277,24 @@ bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b1 && b0 < a1;
 }
 
+// new [B, H, M, D] (contiguous) written at [end, end + M) of buffer [B, H, capacity, D], same dtype: a copy of each
+// head's rows where the buffer's rows are contiguous within a head (the same bytes as narrow + copy_, without their
+// op calls), else narrow + copy_.
+void write_rows(const at::Tensor& buffer, int64_t end, const at::Tensor& rows_new) {
+  const int64_t batch = rows_new.size(0), heads = rows_new.size(1), rows = rows_new.size(2), dim = rows_new.size(3);
+  if (!rows_new.is_contiguous() || buffer.stride(3) != 1 || buffer.stride(2) != dim) {
+    buffer.narrow(2, end, rows).copy_(rows_new);
+    return;
+  }
+  const int64_t bytes = rows * dim * buffer.element_size(), size = buffer.element_size();
+  const auto* src = static_cast<const char*>(rows_new.data_ptr());
+  auto* dst = static_cast<char*>(buffer.data_ptr());
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + (b * buffer.stride(0) + h * buffer.stride(1) + end * dim) * size,
+                  src + (b * heads + h) * bytes, bytes);
+}
+
 c10::List<std::optional<at::Tensor>> sublist(const c10::List<std::optional<at::Tensor>>& list, size_t first,
                                              size_t count) {
   c10::List<std::optional<at::Tensor>> out;
@@ -298,8 +335,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_step(
               ", capacity, ", k.size(3), "] alike, got ", key_buffer.sizes(), " and ", value_buffer.sizes());
   TORCH_CHECK(0 <= first && first <= end && end + rows <= key_buffer.size(2), "the live keys [", first, ", ",
               end + rows, ") must lie in the buffers' ", key_buffer.size(2), " positions");
-  key_buffer.narrow(2, end, rows).copy_(k);
-  value_buffer.narrow(2, end, rows).copy_(v);
+  write_rows(key_buffer, end, k);
+  write_rows(value_buffer, end, v);
   // written below autograd (the op's Autograd kernel is the not-implemented fallback): the version counters move
   // here, as a Python write's do
   key_buffer.unsafeGetTensorImpl()->bump_version();

@@ -338,7 +338,9 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
   // gemm_amx.cpp; AMX for groups of whole tiles' k); else float32 fmas
   const bool bf16 = level >= kAvx512Bf16 && (bf16_inputs || x.scalar_type() == at::kBFloat16);
   const bool amx = bf16 && level == kAmx && group % 32 == 0;
-  const at::Tensor xc = bf16 ? x.to(at::kBFloat16).contiguous() : gemm_rows(x, bf16_inputs);
+  // (a bfloat16 x as it is: a no-op .to() is still a dispatched op call, one of ~85 a layer of a decode step)
+  const at::Tensor xc = !bf16 ? gemm_rows(x, bf16_inputs)
+                        : x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
   const int64_t m = xc.size(0);
   at::Tensor out = at::empty({m, ldo}, xc.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();

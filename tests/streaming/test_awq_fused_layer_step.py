@@ -230,3 +230,27 @@ def test_the_one_call_op_refuses_what_its_write_would_get_wrong(tiny_awq, kernel
     with torch.no_grad():
         step(*args, keys, values, 0, 2, 0.25, 0)
     assert keys._version > versions[0] and values._version > versions[1]
+
+
+def test_rope_takes_cos_and_sin_broadcast_as_expand_takes_them(tiny_awq, kernels_built):
+    """The layer ops read cos/sin with expand()'s strides (0 where a size 1 is broadcast) without calling it: one
+    table for every row of a batch, as a 2-D table, or per row, the same bits; a shape expand() refuses is refused."""
+    model = awq_model("gemma3", tiny_awq, None)
+    a, head_dim = layer_arguments(model.model.layers[0]), model.config.head_dim
+    gen = torch.Generator().manual_seed(13)
+    hidden = torch.randn(2, 3, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    cos = torch.randn(1, 3, head_dim, generator=gen).to(torch.bfloat16)
+    sin = torch.randn(1, 3, head_dim, generator=gen).to(torch.bfloat16)
+    inputs = torch.ops.kvboost.layer_attention_inputs
+    shared = inputs(*a.inputs(hidden, cos, sin, head_dim))
+    for c, s in ((cos.expand(2, 3, head_dim).clone(), sin.expand(2, 3, head_dim).clone()), (cos[0], sin[0]),
+                 (cos.expand(2, 3, head_dim), sin.expand(2, 3, head_dim))):
+        for x, y in zip(shared, inputs(*a.inputs(hidden, c, s, head_dim))):
+            assert torch.equal(x, y)
+    one_row = inputs(*a.inputs(hidden[:, :1], cos[:, :1], sin[:, :1], head_dim))  # first row alone: its bits
+    for x, y in zip(shared[:2], one_row[:2]):
+        assert torch.equal(x[:, :, :1], y)
+    with pytest.raises(RuntimeError, match="do not broadcast"):
+        inputs(*a.inputs(hidden, torch.cat([cos] * 3), torch.cat([sin] * 3), head_dim))
+    with pytest.raises(RuntimeError, match="one layout"):
+        inputs(*a.inputs(hidden, cos, sin.expand(2, 3, head_dim).clone(), head_dim))
