@@ -5,6 +5,7 @@ records calibration windows."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import httpx
@@ -201,7 +202,14 @@ def test_the_batch_scheduler_records_calibration_windows():
         client = server.client()
         for n in (20, 200):
             client.completions.create(model=MODEL_NAME, prompt=cycle_words(n), max_tokens=4, temperature=0)
-        memory = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["memory"]
+        # A window is recorded at the step after which the batch is idle, which may come after the reply reached the
+        # client (a loaded fresh-clone run read the stats first and saw one): wait for it, within a deadline.
+        deadline = time.monotonic() + 30
+        while True:
+            memory = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["memory"]
+            if memory["batch_windows"] >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert memory["batch_windows"] >= 2 and memory["requests"] == 0  # rows: windows, no per-request record
     assert memory["kinds"]["batch"]["records"] == memory["batch_windows"]
     assert memory["residual_median"] is not None and memory["cohorts"]
