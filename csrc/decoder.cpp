@@ -28,14 +28,6 @@ const c10::TypedOperatorHandle<KvbLayerStep>& layer_step_op() {
   return op;
 }
 
-c10::List<std::optional<at::Tensor>> slice(const c10::List<std::optional<at::Tensor>>& list, int64_t first,
-                                           int64_t count) {
-  c10::List<std::optional<at::Tensor>> out;
-  out.reserve(count);
-  for (int64_t i = first; i < first + count; ++i) out.push_back(list.get(i));
-  return out;
-}
-
 // hidden [B, M, E] through n layers: layer i takes projections [7i, 7i + 7) of qweights, sides, outs, groups and
 // biases, norms [4i, 4i + 4), head norms [2i, 2i + 2) (q, k; both None without), eps[i], head_eps[i], head_dims[i],
 // activations[i], scales[i], windows[i] and the ropes[i]-th cos/sin, writes its new keys and values at
@@ -82,7 +74,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const int64_t p = kProjections * i, r = kNorms * i;
     auto [next, k, v] = step.call(
         h, qweights.slice(p, kProjections), sides.slice(p, kProjections), outs.slice(p, kProjections),
-        groups.slice(p, kProjections), slice(biases, p, kProjections), *norms.get(r), norms.get(r + 1),
+        groups.slice(p, kProjections), kvb_sublist(biases, p, kProjections), *norms.get(r), norms.get(r + 1),
         *norms.get(r + 2), norms.get(r + 3), eps[i], head_norms.get(2 * i), head_norms.get(2 * i + 1), head_eps[i],
         cos[ropes[i]], sin[ropes[i]], head_dims[i], activations[i], key_buffers[i], value_buffers[i], firsts[i],
         ends[i], scales[i], windows[i]);

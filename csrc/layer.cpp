@@ -295,14 +295,6 @@ void write_rows(const at::Tensor& buffer, int64_t end, const at::Tensor& rows_ne
                   src + (b * heads + h) * bytes, bytes);
 }
 
-c10::List<std::optional<at::Tensor>> sublist(const c10::List<std::optional<at::Tensor>>& list, size_t first,
-                                             size_t count) {
-  c10::List<std::optional<at::Tensor>> out;
-  out.reserve(count);
-  for (size_t i = first; i < first + count; ++i) out.push_back(list.get(i));
-  return out;
-}
-
 // A whole decoder layer over a cache layer's buffers, in one call where a decode step made four (the two ops above,
 // the cache's update, attention): layer_attention_inputs, the new keys and values written at [end, end + rows) of
 // key_buffer and value_buffer ([B, Hkv, capacity, D], the cache's own), causal attention over [first, end + rows)
@@ -324,8 +316,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_step(
   TORCH_CHECK(!spans_overlap(key_buffer, value_buffer),
               "the key and value buffers must not share memory: each write would land in the other's rows");
   auto [q, k, v] = layer_attention_inputs(hidden, input_norm, eps, qweights.slice(0, 3), sides.slice(0, 3),
-                                          outs.slice(0, 3), groups.slice(0, 3), sublist(biases, 0, 3), q_norm, k_norm,
-                                          head_eps, cos, sin, head_dim);
+                                          outs.slice(0, 3), groups.slice(0, 3), kvb_sublist(biases, 0, 3), q_norm,
+                                          k_norm, head_eps, cos, sin, head_dim);
   const int64_t rows = k.size(2);
   TORCH_CHECK(key_buffer.device().is_cpu() && key_buffer.dim() == 4 && key_buffer.scalar_type() == k.scalar_type() &&
                   key_buffer.size(0) == k.size(0) && key_buffer.size(1) == k.size(1) &&
@@ -344,12 +336,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_step(
   const at::Tensor out = kvb_causal_attention(q, key_buffer.narrow(2, first, end + rows - first),
                                               value_buffer.narrow(2, first, end + rows - first), scale, window);
   at::Tensor next = layer_output(hidden, out, qweights.slice(3, 4), sides.slice(3, 4), outs.slice(3, 4),
-                                 groups.slice(3, 4), sublist(biases, 3, 4), post_attention_norm, ffn_norm,
+                                 groups.slice(3, 4), kvb_sublist(biases, 3, 4), post_attention_norm, ffn_norm,
                                  post_ffn_norm, eps, activation);
   return {next, k, v};
 }
 
 }  // namespace
+
+c10::List<std::optional<at::Tensor>> kvb_sublist(const c10::List<std::optional<at::Tensor>>& list, int64_t first,
+                                                 int64_t count) {
+  c10::List<std::optional<at::Tensor>> out;
+  out.reserve(count);
+  for (int64_t i = first; i < first + count; ++i) out.push_back(list.get(i));
+  return out;
+}
 
 TORCH_LIBRARY_FRAGMENT(kvboost, m) {
   m.def(

@@ -37,6 +37,10 @@ at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps
 at::Tensor kvb_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
                                 int64_t window);
 
+// Entries [first, first + count) of an optional-tensor list argument (layer.cpp).
+c10::List<std::optional<at::Tensor>> kvb_sublist(const c10::List<std::optional<at::Tensor>>& list, int64_t first,
+                                                 int64_t count);
+
 // torch.ops.kvboost.layer_step's kernel signature (layer.cpp), for typed calls through the dispatcher.
 using KvbLayerStep = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef, at::IntArrayRef,
