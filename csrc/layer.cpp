@@ -181,7 +181,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   }
   const at::Tensor xc = x.contiguous();
   const int64_t batch = xc.size(0), heads = xc.size(1), rows = xc.size(2), dim = xc.size(3);
-  const std::array<int64_t, 3> c = broadcast_strides(cos, batch, rows, dim), s = broadcast_strides(sin, batch, rows, dim);
+  const std::array<int64_t, 3> c = broadcast_strides(cos, batch, rows, dim);
+  const std::array<int64_t, 3> s = broadcast_strides(sin, batch, rows, dim);
   TORCH_CHECK(c[2] == 1 && s[2] == 1 && c == s, "cos and sin must have one layout, contiguous in the last dimension");
   const int64_t cb = c[0], cm = c[1];
   at::Tensor out = at::empty(xc.sizes(), xc.options());

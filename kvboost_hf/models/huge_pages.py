@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -67,6 +67,12 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([start, start + length])
     return [(lo, hi - lo) for lo, hi in out]
+
+
+def huge_pages_allowed(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVBOOST_HF_HUGE_PAGES`` in ``environ`` (default: this process's) leaves huge pages on (all but
+    ``0``): the one switch for the weights' huge pages and ``kvboost-hf serve``'s heap on them."""
+    return (os.environ if environ is None else environ).get(_ENV, "1") != "0"
 
 
 def huge_page_frames(spans: Iterable[tuple[int, int]], min_cover: float = MIN_COVER) -> list[int]:
@@ -127,7 +133,7 @@ def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover:
     start = time.perf_counter()
     if isinstance(tensors, nn.Module):
         tensors = module_tensors(tensors)
-    if os.environ.get(_ENV, "1") == "0":
+    if not huge_pages_allowed():
         return HugePageReport(reason=f"{_ENV}=0")
     if not sys.platform.startswith("linux"):
         return HugePageReport(reason=f"transparent huge pages are Linux only ({sys.platform})")
@@ -161,8 +167,8 @@ def back_with_huge_pages(tensors: nn.Module | Iterable[torch.Tensor], min_cover:
             collapsed.append(frame)
         else:
             last_error = ctypes.get_errno()
-    report = HugePageReport(len(frames), len(collapsed), sum(cover[f] for f in collapsed), moved, time.perf_counter() - start,
-                            None if collapsed else _why(last_error))
+    report = HugePageReport(len(frames), len(collapsed), sum(cover[f] for f in collapsed), moved,
+                            time.perf_counter() - start, None if collapsed else _why(last_error))
     logger.info("huge pages: %d of %d frames (%.1f MB of tensors, %.1f MB copied out of file mappings) in %.2f s%s",
                 report.collapsed, report.frames, report.bytes / 1e6, report.moved_bytes / 1e6, report.seconds,
                 f" ({report.reason})" if report.reason else "")

@@ -10,8 +10,8 @@ back to back and 283-511 ms after the process slept 1 s, against 97-107 and 136-
 
 Only the command line restarts (never a caller of :func:`kvboost_hf.cli.main` with its own arguments), only on
 Linux with glibc 2.35 or later and transparent huge pages not ``never``, only where ``GLIBC_TUNABLES`` does not set
-malloc's huge pages already; ``KVBOOST_HF_HUGE_PAGES=0`` turns it off with the weights' huge pages. ``execv`` keeps the
-process id, its open files and its environment (plus the tunable and a marker that stops a second restart).
+malloc's huge pages already; ``KVBOOST_HF_HUGE_PAGES=0`` turns it off with the weights' huge pages. ``execve`` keeps
+the process id, its open files and its environment (plus the tunable and a marker that stops a second restart).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import os
 import re
 import sys
 from pathlib import Path
+
+from kvboost_hf.models.huge_pages import huge_pages_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ def huge_page_tunables(environ: dict | None = None) -> str | None:
     (turned off, already restarted or set, not Linux with glibc 2.35+, transparent huge pages ``never``)."""
     environ = os.environ if environ is None else environ
     current = environ.get("GLIBC_TUNABLES", "")
-    if (environ.get("KVBOOST_HF_HUGE_PAGES", "1") == "0" or RESTARTED in environ or "glibc.malloc.hugetlb" in current
+    if (not huge_pages_allowed(environ) or RESTARTED in environ or "glibc.malloc.hugetlb" in current
             or not sys.platform.startswith("linux") or (glibc_version() or (0, 0)) < (2, 35)):
         return None
     try:
