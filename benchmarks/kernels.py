@@ -10,8 +10,9 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
 - a bandwidth probe (sum over a 512 MB tensor) on 4 KiB pages and on huge pages, the latter giving the floor for
   each weight read (every model's weights and the head below are on huge pages, as our loaders place them);
 - Gemma-3-270M's layer shapes at M = 1, 4, 9, 16, 64, 256 rows: kvboost int4 (group 128), torch int4,
-  torch dense bf16 and fp32; the 262k x 640 LM head: kvboost bf16 (blocked layout, and nn.Linear's own
-  [N, K] layout that an int4 model's tied head runs on) against torch bf16/fp32;
+  torch dense bf16 and fp32; the 262k x 640 LM head: kvboost bf16 (blocked layout, nn.Linear's own [N, K]
+  layout that an int4 model's tied head runs on, and on amx_bf16 its tile copy, which the loader keeps there)
+  against torch bf16/fp32;
 - the whole model packed by ``awq-pack`` (round-to-nearest, group 128, resident): decode step after a
   200-token prompt and 3 steps (as decoding runs: past the refill of the prefill's exact cache buffers; session
   16's and earlier figures timed the first step, a refill), a 9-row forward there (verification), a 256-token
@@ -83,13 +84,16 @@ def layer_rows(reps: int) -> dict:
     head = torch.randn(n, k, generator=gen)
     head16 = head.to(torch.bfloat16)
     ours16 = kernels.pack_dense(head16)
-    back_with_huge_pages([head, head16, ours16.weight])  # as a loaded model's head is
+    tiles = kernels.tile_layout(head16) if kernels.current_isa() == "amx_bf16" else None  # as the loader keeps
+    back_with_huge_pages([head, head16, ours16.weight] + ([tiles] if tiles is not None else []))  # as loaded
     for m in (1, 4, 9):
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         x32 = x.float()
         fns = {"kvboost bf16 blocked": lambda: kernels.dense_linear(x, ours16),
                "kvboost bf16 [N,K]": lambda: kernels.linear(x, head16), "torch bf16": lambda: x @ head16.T,
                "torch fp32": lambda: x32 @ head.T}
+        if tiles is not None:
+            fns["kvboost bf16 tiles"] = lambda: kernels.linear(x, head16, tiles=tiles)
         out[f"lm_head 262144x640 M={m}"] = interleave(fns, reps) | {"bf16_bytes": n * k * 2}
     return out
 

@@ -192,4 +192,52 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
   _tile_release();
 }
 
+
+// The head (a bf16 [N, K] weight repacked by kernels.tile_layout): x's rows as A tiles, the weight as B tiles read
+// in address order (a plain stream for the hardware prefetcher, unlike the weight's own rows as A tiles: 16 rows
+// read 64 bytes at a time in turn made a decode step's head slower than vdpbf16ps). Per output element: one
+// TDPBF16PS chain over K, 32 k per instruction in order, from 0. Rows past the first 16 are computed 16 at a time
+// (the last tile zero-padded), each block pair's 40 KB read from DRAM once for all of them.
+void bf16_tiles(const uint16_t* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t b0, int64_t b1, float* out,
+                int64_t ldo, uint16_t* pad) {
+  if (m <= 0 || b0 >= b1) return;
+  const int64_t chunks = k / kChunk, bstride = k * 16;  // a block: chunks x 16 k-pairs x 16 columns x 2
+  const int rows = static_cast<int>(m < kRows ? m : kRows);
+  configure(rows);
+  const int64_t tail = m > kRows ? m % kRows : 0;  // the last row tile's rows, zero-padded to 16 in `pad`
+  if (tail) {
+    std::memset(pad, 0, kRows * k * sizeof(uint16_t));
+    std::memcpy(pad, x + (m - tail) * k, tail * k * sizeof(uint16_t));
+  }
+  alignas(64) float t[2][kRows * 16];
+  for (int64_t b = b0; b < b1; b += 2) {
+    const uint16_t* w0 = tiles + b * bstride;
+    const uint16_t* w1 = w0 + bstride;
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const bool padded = tail && r0 + kRows > m;
+      const uint16_t* xr = padded ? pad : x + r0 * k;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(2, xr + kChunk * c, k * 2);
+        _tile_loadd(3, w0 + 512 * c, 64);
+        _tile_loadd(4, w1 + 512 * c, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      float* o = out + r0 * ldo + 16 * b;
+      if (!padded) {
+        _tile_stored(0, o, ldo * 4);
+        _tile_stored(1, o + 16, ldo * 4);
+        continue;
+      }
+      _tile_stored(0, t[0], 64);
+      _tile_stored(1, t[1], 64);
+      for (int64_t r = 0; r < tail; ++r)
+        for (int h = 0; h < 2; ++h) std::memcpy(o + r * ldo + 16 * h, t[h] + 16 * r, 16 * sizeof(float));
+    }
+  }
+  _tile_release();
+}
+
 }  // namespace kvb_amx

@@ -118,6 +118,12 @@ int64_t strip_words(int64_t m, int64_t k, int64_t group);
 int64_t fingerprint();
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip);
+// A bf16 [N, K] weight in the tile layout (kernels.tile_layout: uint16 [NB, K / 32, 16, 16, 2], NB even, K a
+// multiple of 32; element [b, c, p, j, e] is w[16 b + j, 32 c + 2 p + e]) against bf16 x [m, K]: out[m, 16 b ..]
+// for the block pairs from b0 (even) to b1, each element one TDPBF16PS chain over K (its own numerics). `pad`
+// holds 16 x K uint16 where m > 16 is not a multiple of 16 (its last rows, zero-padded), else may be null.
+void bf16_tiles(const uint16_t* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t b0, int64_t b1, float* out,
+                int64_t ldo, uint16_t* pad);
 }
 
 // xs [m, K / group]: per row and group, the in-order sum of x over the group (the int4 contract above).

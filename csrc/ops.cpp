@@ -169,16 +169,39 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   return finish(out, n, x.scalar_type());
 }
 
-// x @ weight.T for nn.Linear's own [N, K] weight (bf16 or fp32), threads over output columns.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+// The amx_bf16 path's head: bf16 x [m, K] against the weight's tile layout (kvb_amx::bf16_tiles), [m, n] float.
+at::Tensor tile_linear(const at::Tensor& xb, const at::Tensor& tiles, int64_t n) {
+  const int64_t m = xb.size(0), k = xb.size(1), blocks = tiles.size(0);
+  TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.device().is_cpu() && tiles.is_contiguous() &&
+                  tiles.dim() == 5 && blocks % 2 == 0 && blocks * 16 >= n && blocks * 16 < n + 32 &&
+                  tiles.size(1) * 32 == k && tiles.size(2) == 16 && tiles.size(3) == 16 && tiles.size(4) == 2,
+              "tiles must be the weight's contiguous bf16 tile layout [", (n + 31) / 32 * 2, ", ", k / 32,
+              ", 16, 16, 2] (kernels.tile_layout), got ", tiles.scalar_type(), " ", tiles.sizes());
+  at::Tensor out = at::empty({m, 16 * blocks}, xb.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const auto* tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr());
+  float* op = out.data_ptr<float>();
+  const bool padded = m > 16 && m % 16 != 0;
+  balanced_for(blocks / 2, chunk_of(blocks / 2, 1), [&](const auto& take) {
+    uint16_t* pad = padded ? thread_scratch<uint16_t>(16 * k) : nullptr;
+    for (int64_t p0, p1; take(p0, p1);) kvb_amx::bf16_tiles(xp, m, k, tp, 2 * p0, 2 * p1, op, 16 * blocks, pad);
+  });
+  return 16 * blocks == n ? out : out.narrow(1, 0, n);
+}
+
+// x @ weight.T for nn.Linear's own [N, K] weight (bf16 or fp32), threads over output columns. With `tiles` (the
+// weight's tile layout), the amx_bf16 path computes a bf16 x on tiles; every other path ignores them.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& tiles) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
               "weight must be bfloat16 or float32, got ", w.scalar_type());
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous CPU [N, K] tensor");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % 16 == 0, "in_features must be a multiple of 16, got ", k);
-  if (get_level() >= kAvx512Bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+  const int64_t level = get_level();
+  if (level >= kAvx512Bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
       k % 32 == 0 && x.device().is_cpu() && x.dim() == 2 && x.size(1) == k) {
     const at::Tensor xb = x.contiguous();
+    if (tiles.has_value() && level == kAmx) return tile_linear(xb, *tiles, n).to(x.scalar_type());
     const int64_t m = xb.size(0);
     at::Tensor out = at::empty({m, n}, xb.options().dtype(at::kFloat));
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
@@ -192,7 +215,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   const at::Tensor xf = rows_f32(x, k);
   const int64_t m = xf.size(0);
   at::Tensor out = at::empty({m, n}, xf.options());
-  const int64_t level = get_level();
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool bf16 = w.scalar_type() == at::kBFloat16;
@@ -387,7 +409,7 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor weight, int n) -> Tensor");
-  m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? tiles=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor scale, float eps) -> Tensor");
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, bool causal, int window) -> Tensor");
   m.def("set_isa_level(int level) -> int", &set_level);

@@ -29,7 +29,7 @@ from kvboost_hf.kernels.layout import (
 )
 from kvboost_hf.kernels.decoder import fuse_decoder, unfuse_decoder
 from kvboost_hf.kernels.layer import fuse_layers, unfuse_layers
-from kvboost_hf.kernels.linear import KernelLinear
+from kvboost_hf.kernels.linear import KernelLinear, tile_layout
 from kvboost_hf.kernels.ops import (
     ISA_LEVELS,
     current_isa,
@@ -66,5 +66,5 @@ __all__ = [
     "ISA_LEVELS", "DenseBlocks", "Int4Blocks", "Int8Blocks", "KernelLinear", "KernelStatus", "available",
     "current_isa", "dense_linear", "fuse_decoder", "fuse_layers", "host_isa", "int4_groups", "int4_linear",
     "int4_numerics", "int4_qweight", "int8_linear", "linear", "pack_dense", "pack_int4", "pack_int8", "select_isa",
-    "set_vbmi", "unfuse_decoder", "unfuse_layers", "unpack_int4",
+    "set_vbmi", "tile_layout", "unfuse_decoder", "unfuse_layers", "unpack_int4",
 ]

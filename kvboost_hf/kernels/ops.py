@@ -129,10 +129,14 @@ def dense_linear(x: torch.Tensor, w: DenseBlocks) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.out_features)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           tiles: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a bf16/float32 ``[N, K]`` weight as it is (``K`` a multiple of 16), in ``x``'s dtype:
-    16 interleaved float32 partial sums over ``k`` added in a fixed tree, so rows stay bit-independent."""
-    out = torch.ops.kvboost.linear(_rows(x, weight.shape[1]), weight)
+    16 interleaved float32 partial sums over ``k`` added in a fixed tree, so rows stay bit-independent. With
+    ``tiles`` (the weight's :func:`~kvboost_hf.kernels.linear.tile_layout`, which must hold its current values),
+    the amx_bf16 path computes a bf16 ``x`` on AMX tiles instead (one chain over ``k`` per element, rows still
+    independent); the other paths ignore them."""
+    out = torch.ops.kvboost.linear(_rows(x, weight.shape[1]), weight, tiles)
     out = out.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
@@ -165,7 +169,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvboost::int4_linear")(lambda x, q, s, z, g, n: fake(x, n))
     torch.library.register_fake("kvboost::int8_linear")(lambda x, q, s, n: fake(x, n))
     torch.library.register_fake("kvboost::dense_linear")(lambda x, w, n: fake(x, n))
-    torch.library.register_fake("kvboost::linear")(lambda x, w: fake(x, w.shape[0]))
+    torch.library.register_fake("kvboost::linear")(lambda x, w, tiles=None: fake(x, w.shape[0]))
     torch.library.register_fake("kvboost::rms_norm")(lambda x, scale, eps: x.new_empty(x.shape))  # contiguous
     torch.library.register_fake("kvboost::attention")(
         lambda q, k, v, mask, scale, causal, window: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])))

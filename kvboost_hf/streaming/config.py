@@ -42,6 +42,11 @@ class StreamingAWQConfig(QuantizationConfigMixin):
       ``host="ram"`` streamed layers) with transparent huge pages after loading
       (:func:`kvboost_hf.models.huge_pages.back_with_huge_pages`: in place, values unchanged; a decode step
       streams them faster). ``False`` leaves them as loaded.
+    - ``head_tiles``: keep a copy of the bf16 output head in AMX's tile layout
+      (:meth:`kvboost_hf.kernels.KernelLinear.use_tiles`: the head's size again in memory, tied or not;
+      335 MB for Gemma-3-270M's 262k x 640 head), which the ``amx_bf16`` kernel path reads instead of the
+      weight: a verification's or a batch's rows then cost about what one row costs (9 rows: ~1.5x ->
+      ~1.05x). ``None`` (default): where the kernels run the ``amx_bf16`` path; ``False``: never.
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         kernel: str = "auto",
         huge_pages: bool = True,
+        head_tiles: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.quant_method = QUANT_METHOD
@@ -79,6 +85,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = modules_to_not_convert
         self.kernel = kernel
         self.huge_pages = huge_pages
+        self.head_tiles = head_tiles
         self.post_init()
 
     def post_init(self) -> None:
@@ -98,6 +105,8 @@ class StreamingAWQConfig(QuantizationConfigMixin):
             raise ValueError(f"kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
         if not isinstance(self.huge_pages, bool):
             raise ValueError(f"huge_pages must be True or False, got {self.huge_pages!r}")
+        if self.head_tiles not in (None, True, False):
+            raise ValueError(f"head_tiles must be None, True or False, got {self.head_tiles!r}")
         if self.throttle_bytes_per_s is not None and not self.throttle_bytes_per_s > 0:
             raise ValueError(f"throttle_bytes_per_s must be positive or None, got {self.throttle_bytes_per_s!r}")
         self.check_checkpoint_fields()
@@ -168,6 +177,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
             "modules_to_not_convert": self.modules_to_not_convert,
             "kernel": self.kernel,
             "huge_pages": self.huge_pages,
+            "head_tiles": self.head_tiles,
         }
 
     @classmethod

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvboost_hf.cache.buffer import in_place_layer
-from kvboost_hf.kernels import KernelLinear
+from kvboost_hf.kernels import KernelLinear, current_isa
 from kvboost_hf.kernels.decoder import fuse_decoder
 from kvboost_hf.kernels.layer import fuse_layers
 from kvboost_hf.kernels.attention import KernelAttention
@@ -264,7 +264,25 @@ def build_runtime(model: nn.Module, config: StreamingAWQConfig, index: dict[str,
     if config.huge_pages and device.type == "cpu":  # after the trim: frames are filled from what stays
         held = list(module_tensors(model)) + (source.tensors() if isinstance(source, RamSource) else [])
         stats.huge_page_bytes = back_with_huge_pages(held).bytes
+    _tile_head(model, config, stats)
     return runtime
+
+
+def _tile_head(model: nn.Module, config: StreamingAWQConfig, stats: StreamingStats) -> None:
+    """The head's tile copy (``config.head_tiles``), made after the huge pages (which may move the weight: a
+    copy made before would be remade on 4 KiB pages at the first forward) and backed by them too."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, KernelLinear):
+        return
+    wanted = current_isa() == "amx_bf16" if config.head_tiles is None else config.head_tiles
+    if not wanted or not head.use_tiles():
+        return
+    if current_isa() != "amx_bf16":
+        logger.warning("head_tiles=True: the head's tile copy is read only on the amx_bf16 kernel path, and this "
+                       "process runs %s", current_isa())
+    stats.head_tile_bytes = head.tiles.numel() * head.tiles.element_size()
+    if config.huge_pages:
+        stats.huge_page_bytes += back_with_huge_pages([head.tiles]).bytes
 
 
 def _text_stack(model: nn.Module) -> nn.Module:

@@ -26,6 +26,7 @@ class StreamingStats:
     streamed_int4_bytes: int = 0
     staging_bytes: int = 0
     huge_page_bytes: int = 0
+    head_tile_bytes: int = 0
     hits: int = 0
     late: int = 0
     misses: int = 0

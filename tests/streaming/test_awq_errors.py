@@ -68,7 +68,7 @@ def test_staging_slots_below_one(slots):
 @pytest.mark.parametrize(
     "setting, value",
     [("residency_mode", "stream_everything"), ("host", "disk"), ("keep_first_k", -1), ("keep_last_k", "2"),
-     ("throttle_bytes_per_s", 0), ("kernel", "mkl"), ("huge_pages", "yes")],
+     ("throttle_bytes_per_s", 0), ("kernel", "mkl"), ("huge_pages", "yes"), ("head_tiles", "yes")],
 )
 def test_other_settings(setting, value):
     with pytest.raises(ValueError, match=setting):

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from kvboost_hf import kernels
 from kvboost_hf.kernels.attention import KernelAttention
 from kvboost_hf.models.attention import owned_attention
 from kvboost_hf.models.fused_norm import FusedRMSNorm
+from kvboost_hf.streaming import StreamingAWQConfig, streaming_stats
 from kvboost_hf.streaming import kernel as kernel_module
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from tests.conftest import SLIDING_WINDOW
@@ -178,3 +180,24 @@ def test_gemma_prompt_chunks_give_the_whole_prompts_logits(gemma_awq, kernels_bu
     ids = torch.randint(10, 20000, (1, 80), generator=torch.Generator().manual_seed(5))
     (logits, _), (whole, _) = chunked_and_whole(model, ids, [33, 64])
     assert torch.equal(logits, whole)
+
+
+@pytest.mark.parametrize("head_tiles", [None, True, False])
+def test_the_head_keeps_a_tile_copy_as_configured(head_tiles, tiny_awq, kernels_built):
+    """``head_tiles``: a copy of the bf16 head in the tile layout (by default where the amx_bf16 path runs), made
+    from the weight as loaded (the tie kept), counted in the stats, and the head's rows still independent."""
+    _, path = tiny_awq["gemma3"]
+    config = StreamingAWQConfig(residency_mode="full_resident", kernel="kvboost", head_tiles=head_tiles)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config).eval()
+    head = model.get_output_embeddings()
+    wanted = kernels.current_isa() == "amx_bf16" if head_tiles is None else head_tiles
+    assert (head.tiles is not None) == wanted
+    assert streaming_stats(model).head_tile_bytes == (head.tiles.numel() * 2 if wanted else 0)
+    if wanted:
+        assert torch.equal(head.tiles, kernels.tile_layout(head.weight))
+    if model.config.tie_word_embeddings:
+        assert head.weight is model.get_input_embeddings().weight
+    prompt = _ids(12, 5)
+    with torch.no_grad():
+        logits = model(prompt).logits
+        assert torch.equal(model(prompt[:, :8]).logits[0, -1], logits[0, 7])  # 8 rows and 12, row 7 alike
