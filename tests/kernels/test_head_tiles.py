@@ -9,7 +9,7 @@ import torch
 
 from kvboost_hf import kernels
 from kvboost_hf.kernels.linear import TileCopy
-from tests.kernels.test_gemm import close, reference
+from tests.kernels.test_gemm import reference
 
 
 def bf16_weight(n: int, k: int, seed: int) -> torch.Tensor:
