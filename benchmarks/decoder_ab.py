@@ -7,11 +7,14 @@
   protocol, ``kvboost_hf.kernels.decoder``; forced as for ``decoder_step``) against the four calls a layer (forced
   by answering False for every cache in ``_updates_layers_only``);
 - ``witness``: the plan checked against its witness against the plan read again at every call
-  (``kvboost_hf.kernels.plan``).
+  (``kvboost_hf.kernels.plan``);
+- ``head_tiles``: the bf16 head on its tile copy (``KernelLinear.use_tiles``, what the loader keeps on amx_bf16)
+  against the head on its own ``[N, K]`` weight (the copy set aside): only the amx_bf16 path reads tiles.
 
 Each round prefills a 200-token prompt, then alternates the two ways call by call (ABBA) over one-token calls of
 the decoder alone (``--what decoder``), of the whole model (``step``: decoder and bf16 head, ``DynamicCache``), or
-of its int4 self-draft (``draft``: 32k-vocab head, ``BufferedCache``); ``--sweep`` reads 64 MB before each call,
+of its int4 self-draft (``draft``: 32k-vocab head, ``BufferedCache``), or 9-token calls of the whole model
+cropped back after each (``verify``: a speculative verification); ``--sweep`` reads 64 MB before each call,
 as a step's weights evict the CPU caches. Prints each way's median and the median and quartiles of the per-pair
 ratios (the second way over the first: above 1, the first is faster). The host's drift between processes is larger
 than these differences; a pair's two calls are ~20-40 ms apart.
@@ -19,6 +22,7 @@ than these differences; a pair's two calls are ~20-40 ms apart.
     python benchmarks/decoder_ab.py --compare decoder_step --what decoder step draft --rounds 6
     python benchmarks/decoder_ab.py --compare layer_step --what decoder step draft --rounds 6
     python benchmarks/decoder_ab.py --compare witness --what decoder --sweep
+    python benchmarks/decoder_ab.py --compare head_tiles --what step verify --rounds 6
 """
 
 from __future__ import annotations
@@ -29,9 +33,16 @@ import time
 import torch
 
 
-def ways(compare: str) -> dict:
+def ways(compare: str, model) -> dict:
     """The two ways of ``compare``, each as its (module, attribute, value) patches; the first is the package's own."""
     from kvboost_hf.kernels import decoder, plan
+
+    if compare == "head_tiles":
+        head = model.get_output_embeddings()
+        copy = head.tile_copy
+        if copy is None:
+            raise SystemExit("the head keeps no tile copy here (it is kept where the amx_bf16 path runs)")
+        return {"tiles": [(head, "tile_copy", copy)], "[N, K]": [(head, "tile_copy", None)]}
 
     if compare == "decoder_step":
         return {"one call": [(decoder, "_reserved", decoder._reserved)],
@@ -44,9 +55,9 @@ def ways(compare: str) -> dict:
             "read again": [(plan, "checked_plan", plan.layer_plan)]}
 
 
-def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, sweep: bool) -> dict:
-    """Per way, the seconds of each call; and the per-pair ratios (second way / first)."""
-    prompt = torch.randint(10, 20000, (1, 201 + pairs), generator=torch.Generator().manual_seed(1))
+def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, sweep: bool, rows: int = 1) -> dict:
+    """Per way, the seconds of each call of ``rows`` tokens; and the per-pair ratios (second way / first)."""
+    prompt = torch.randint(10, 20000, (1, 201 + pairs + rows), generator=torch.Generator().manual_seed(1))
     names = list(variants)
     times, ratios = {name: [] for name in names}, []
     evict = torch.zeros(16 * 1024 * 1024)
@@ -63,7 +74,7 @@ def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, swe
                     if sweep:
                         evict.add_(1)
                     start = time.perf_counter()
-                    call(model, prompt[:, 201 + i:202 + i], cache)
+                    call(model, prompt[:, 201 + i:201 + i + rows], cache)
                     took[name] = time.perf_counter() - start
                 for name in names:
                     times[name].append(took[name])
@@ -74,11 +85,17 @@ def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, swe
     return {"times": times, "ratios": ratios}
 
 
+def verify(model, tokens: torch.Tensor, cache) -> None:
+    """A verification's forward of ``tokens`` (every row's logits), then its rows cropped off the cache again."""
+    model(tokens, past_key_values=cache)
+    cache.crop(-tokens.shape[1])  # (sliding-window layers take only a count to remove)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", choices=["decoder_step", "layer_step", "witness"],
+    parser.add_argument("--compare", choices=["decoder_step", "layer_step", "witness", "head_tiles"],
                         default="decoder_step")
-    parser.add_argument("--what", nargs="+", choices=["decoder", "step", "draft"], default=["decoder"])
+    parser.add_argument("--what", nargs="+", choices=["decoder", "step", "verify", "draft"], default=["decoder"])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=30, help="pairs of calls a round")
     parser.add_argument("--sweep", action="store_true", help="read 64 MB before each call")
@@ -93,7 +110,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     model, tokenizer = resident_int4_gemma()
-    variants = ways(args.compare)
+    variants = ways(args.compare, model)
     for what in args.what:
         if what == "draft":
             subject = make_draft(model, bits=4, vocab=32768, tokenizer=tokenizer)
@@ -102,7 +119,10 @@ def main() -> None:
             subject, new_cache = model, lambda config: DynamicCache(config=config)  # noqa: E731
         call = (lambda m, x, c: m.model(x, past_key_values=c)) if what == "decoder" else (
             lambda m, x, c: m(x, past_key_values=c))
-        result = measure(subject, call, new_cache, variants, args.rounds, args.pairs, args.sweep)
+        if what == "verify":
+            call = verify
+        result = measure(subject, call, new_cache, variants, args.rounds, args.pairs, args.sweep,
+                         rows=9 if what == "verify" else 1)
         first, second = list(variants)
         print(f"{what}{' (sweep)' if args.sweep else ''}: "
               f"{per_pair(result['times'], result['ratios'], f'{second} / {first}')}")
