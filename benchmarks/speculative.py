@@ -21,7 +21,8 @@ identical to the plain one. Workloads:
    requests, plain against int4 self-drafts of its own weights: all layers (adaptive, and ``fixed8``:
    8 tokens asked for in every round of every request, transformers' confidence stop on), and the
    first ``--lean-layers`` layers (issue 26's "RAM-resident int4 target with an int4 self-draft"), and
-   against head drafts (``make_head_draft``: its own layers, an int8 FR-Spec head; adaptive and ``fixed8``);
+   against head drafts (``make_head_draft``: its own layers, an int8 FR-Spec head; adaptive, ``fixed8``, and
+   16 tokens: ``fixed16`` and ``max16``, the adaptive controller allowed up to 16);
 6. copy: a ~320-token essay passage and an instruction to copy it verbatim (the reply is the
    passage itself, or whatever loop the base model falls into: both are lookup's best case).
 
@@ -373,12 +374,17 @@ def main() -> None:
         # transformers' confidence stop is on and may end a round's draft early): the speed-up without the
         # controller's per-request decisions, which move the adaptive rows
         fixed = ControllerSettings(adaptive=False, max_tokens=8)
+        # and 16 (fixed, or the adaptive controller's most): a head draft's verification, the bf16 head over
+        # every row, costs about one step on tiles (amx_bf16), so longer rounds may pay
+        fixed16, longest16 = ControllerSettings(adaptive=False, max_tokens=16), ControllerSettings(max_tokens=16)
         head = make_head_draft(resident, args.draft_vocab, tokenizer=tokenizer)
         variants = only({"plain": {}, f"int4-{vocab}": {"draft": full},
                          f"int4-{vocab}-fixed8": {"draft": full, "speculation": fixed},
                          f"int4-{vocab}-layers{args.lean_layers}": {"draft": lean},
                          f"head-{vocab}": {"draft": head},
-                         f"head-{vocab}-fixed8": {"draft": head, "speculation": fixed}})
+                         f"head-{vocab}-fixed8": {"draft": head, "speculation": fixed},
+                         f"head-{vocab}-fixed16": {"draft": head, "speculation": fixed16},
+                         f"head-{vocab}-max16": {"draft": head, "speculation": longest16}})
         chat = [c[:1] for c in CHAT_TURNS[:1]] if args.quick else CHAT_TURNS
         result["workloads"]["int4 chat"] = bench_workload(resident, None, variants, args, eos, store_bytes,
                                                           chat=chat, tokenizer=tokenizer)
