@@ -126,6 +126,15 @@ void bf16_tiles(const uint16_t* x, int64_t m, int64_t k, const uint16_t* tiles, 
                 int64_t ldo, uint16_t* pad);
 }
 
+// The layer ops' bf16 elementwise loops on AVX-512 (bf16_avx512.cpp), each result rounded to bf16 as
+// c10::BFloat16 rounds (nearest even, NaN to 0x7FC0): the bits of their scalar loops.
+namespace kvb_avx512 {
+void round_to_bf16(const float* x, int64_t n, uint16_t* out);
+void bf16_combine(const uint16_t* a, const uint16_t* b, int64_t n, bool product, uint16_t* out);  // a + b or a * b
+// One row of transformers' RoPE on bf16 (dim even): x * cos + rotate_half(x) * sin, each product and the sum rounded.
+void bf16_rope(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t dim, uint16_t* out);
+}
+
 // xs [m, K / group]: per row and group, the in-order sum of x over the group (the int4 contract above).
 void kvb_group_sums(const float* x, int64_t m, int64_t k, int64_t group, float* xs);
 

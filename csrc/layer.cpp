@@ -74,8 +74,12 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
     const float* c = columns.data_ptr<float>() + offset;
     if (dtype == at::kBFloat16) {
       auto* o = y.data_ptr<c10::BFloat16>();
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = c10::BFloat16(c[r * ld + j]);
+      if (kvb_avx512_loops())
+        for (int64_t r = 0; r < rows; ++r)
+          kvb_avx512::round_to_bf16(c + r * ld, p.out, reinterpret_cast<uint16_t*>(o + r * p.out));
+      else
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = c10::BFloat16(c[r * ld + j]);
     } else {
       float* o = y.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)
@@ -95,6 +99,11 @@ at::Tensor elementwise(const at::Tensor& a, const at::Tensor& b, bool product) {
     return product ? at::mul(a, b) : at::add(a, b);
   at::Tensor out = at::empty_like(a);
   const int64_t count = a.numel();
+  if (a.scalar_type() == at::kBFloat16 && kvb_avx512_loops()) {
+    const auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+    kvb_avx512::bf16_combine(bits(a), bits(b), count, product, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
   auto run = [&](auto* o, const auto* x, const auto* y) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(o)>>;
     for (int64_t i = 0; i < count; ++i) {
@@ -138,6 +147,7 @@ template <class T>
 void rope_rows(const T* x, const T* cos, const T* sin, int64_t cb, int64_t cm, int64_t batch, int64_t heads, int64_t rows,
                int64_t dim, T* out) {
   const int64_t half = dim / 2;
+  const bool vector = std::is_same_v<T, c10::BFloat16> && kvb_avx512_loops();
   at::parallel_for(0, batch * heads * rows, std::max<int64_t>(1, 16384 / dim), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / (heads * rows), i = r % rows;
@@ -145,6 +155,11 @@ void rope_rows(const T* x, const T* cos, const T* sin, int64_t cb, int64_t cm, i
       const T* c = cos + b * cb + i * cm;
       const T* s = sin + b * cb + i * cm;
       T* o = out + r * dim;
+      if (vector) {
+        const auto bits = [](const T* p) { return reinterpret_cast<const uint16_t*>(p); };
+        kvb_avx512::bf16_rope(bits(xr), bits(c), bits(s), dim, reinterpret_cast<uint16_t*>(o));
+        continue;
+      }
       for (int64_t d = 0; d < dim; ++d) {
         const float rotated = d < half ? -widen(xr[d + half]) : widen(xr[d - half]);
         const T a = narrow_to<T>(widen(xr[d]) * widen(c[d]));

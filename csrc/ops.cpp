@@ -337,12 +337,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
     std::vector<float> scratch((r1 - r0) * n);
     KVB_BY_LEVEL(level, rms_rows, xp + r0 * row_bytes, true, n, n, sp, e, 0, r1 - r0, scratch.data());
     c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r0 * n;
-    for (size_t i = 0; i < scratch.size(); ++i) o[i] = c10::BFloat16(scratch[i]);
+    if (level >= kAvx512)
+      kvb_avx512::round_to_bf16(scratch.data(), static_cast<int64_t>(scratch.size()), reinterpret_cast<uint16_t*>(o));
+    else
+      for (size_t i = 0; i < scratch.size(); ++i) o[i] = c10::BFloat16(scratch[i]);
   });
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
 }  // namespace
+
+bool kvb_avx512_loops() { return get_level() >= kAvx512; }
 
 at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight>& ws, std::vector<int64_t>& offsets,
                             bool bf16_inputs) {

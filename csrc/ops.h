@@ -15,6 +15,9 @@
 // them). Both give the same bits (tested).
 constexpr int64_t kKvbLoopElements = 16384;
 
+// Whether the ISA path in effect has AVX-512: the elementwise loops then run kvb_avx512's (the same bits).
+bool kvb_avx512_loops();
+
 // An int4 weight in the kernels' layout (kvboost_kernels.h): NB = `blocks` column blocks, group size `group`.
 struct KvbInt4Weight {
   const uint8_t* q;
