@@ -43,7 +43,8 @@ Int4Proj int4_proj(const at::Tensor& q, const at::Tensor& side, int64_t out, int
                   side.size(1) == blocks && side.size(2) == k / group && side.size(3) == 16 && side.stride(3) == 1 &&
                   side.stride(2) == 16 && side.stride(1) == 16 * (k / group),
               "scales/zeros must be float32 [2, ", blocks, ", ", k / group, ", 16], each half contiguous, got ",
-              side.sizes());
+              side.scalar_type(), " ", side.sizes(), " (an int4 model's dtype is chosen at load: from_pretrained(..., "
+              "dtype=...), not by .to(dtype))");
   TORCH_CHECK(out > 0 && out <= 16 * blocks, "out_features must be in 1..", 16 * blocks, ", got ", out);
   const float* s = side.data_ptr<float>();
   return {{q.data_ptr<uint8_t>(), s, s + side.stride(0), blocks, group}, out};
