@@ -171,7 +171,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
 
 // The amx_bf16 path's head: bf16 x [m, K] against the weight's tile layout (kvb_amx::bf16_tiles), [m, n] float.
 at::Tensor tile_linear(const at::Tensor& xb, const at::Tensor& tiles, int64_t n) {
-  const int64_t m = xb.size(0), k = xb.size(1), blocks = tiles.size(0);
+  const int64_t m = xb.size(0), k = xb.size(1), blocks = tiles.dim() == 5 ? tiles.size(0) : 0;
   TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.device().is_cpu() && tiles.is_contiguous() &&
                   tiles.dim() == 5 && blocks % 2 == 0 && blocks * 16 >= n && blocks * 16 < n + 32 &&
                   tiles.size(1) * 32 == k && tiles.size(2) == 16 && tiles.size(3) == 16 && tiles.size(4) == 2,

@@ -41,9 +41,10 @@ _SAMPLES = 128  # weight elements compared with their tile copy at every forward
 @dataclasses.dataclass(frozen=True)
 class TileCopy:
     """A weight's :func:`tile_layout` and what says it still holds the weight's values: the weight's data
-    pointer, dtype, shape and version counter when it was made, and a strided sample of elements (their flat
-    indices in the weight and in the copy), which also catches most edits that bypass the version counter
-    (through ``.data``: only those that touch a sampled element)."""
+    pointer, dtype, shape and version counter when it was made, and the bits of 128 elements at fixed
+    pseudo-random places (every row and column band alike, whatever the shape), compared with their places in
+    the copy, which also catches most edits that bypass the version counter (through ``.data``: those that
+    touch a sampled element; a whole-tensor rewrite almost surely does)."""
 
     tiles: torch.Tensor
     key: tuple
@@ -54,18 +55,20 @@ class TileCopy:
     def of(cls, weight: torch.Tensor) -> TileCopy:
         tiles = tile_layout(weight)
         n, k = weight.shape
-        step = max(1, n * k // _SAMPLES)
-        flat = torch.arange(0, n * k, step)
+        picked = torch.randint(0, n * k, (_SAMPLES,), generator=torch.Generator().manual_seed(n * k))
+        flat = torch.cat([picked, torch.tensor([0, n * k - 1])])
         row, col = flat // k, flat % k
         tile = (((row // 16 * (k // 32) + col // 32) * 16 + col % 32 // 2) * 16 + row % 16) * 2 + col % 2
         return cls(tiles, _weight_key(weight), flat, tile)
 
     def holds(self, weight: torch.Tensor) -> bool:
-        """Whether the copy still holds ``weight``'s values (as far as the key and the samples tell)."""
+        """Whether the copy still holds ``weight``'s values (as far as the key and the samples tell), bit for bit
+        (a NaN holds as itself)."""
         if _weight_key(weight) != self.key:
             return False
         with torch.no_grad():
-            return torch.equal(weight.reshape(-1)[self.weight_index], self.tiles.reshape(-1)[self.tile_index])
+            held = weight.reshape(-1)[self.weight_index].view(torch.int16)
+            return torch.equal(held, self.tiles.reshape(-1)[self.tile_index].view(torch.int16))
 
 
 def _weight_key(weight: torch.Tensor) -> tuple:
@@ -83,6 +86,7 @@ class KernelLinear(nn.Linear):
         adopted = cls.__new__(cls)
         adopted.__dict__ = module.__dict__  # the same parameters, hooks and flags: tying is kept
         adopted.__dict__.setdefault("tile_copy", None)
+        adopted.__dict__.setdefault("tiles_wanted", False)
         return adopted
 
     @staticmethod
@@ -100,9 +104,13 @@ class KernelLinear(nn.Linear):
 
     def use_tiles(self, enabled: bool = True) -> bool:
         """Keep (``enabled``) or drop a copy of the weight in the tile layout (:func:`tile_layout`), which the
-        amx_bf16 path reads instead of the weight; returns whether one is kept. It costs the weight's size. It
-        is remade whenever the weight is found changed (see :class:`TileCopy`), and dropped where the weight no
-        longer allows one (not bf16 any more, for instance)."""
+        amx_bf16 path reads instead of the weight; returns whether one is kept now. It costs the weight's size.
+        While enabled, a forward remakes it whenever it finds the weight changed (see :class:`TileCopy`), drops
+        it while the weight does not allow one (:meth:`tiles_possible`: float32, for instance) and makes it
+        again once it does. Pickles and copies of the module leave the copy out: they make their own at their
+        first forward. A compiled forward (``torch.compile``) computes on the weight's own rows: the check is not
+        traceable."""
+        self.__dict__["tiles_wanted"] = bool(enabled)
         copy = TileCopy.of(self.weight) if enabled and self.tiles_possible() else None
         self.__dict__["tile_copy"] = copy
         return copy is not None
@@ -114,16 +122,23 @@ class KernelLinear(nn.Linear):
         return None if copy is None else copy.tiles
 
     def current_tiles(self) -> torch.Tensor | None:
-        """The tile copy of the weight as it is now (remade first if the weight changed), or ``None``."""
-        copy = self.__dict__.get("tile_copy")
-        if copy is None:
+        """The tile copy of the weight as it is now (made or remade first where the weight changed), or ``None``."""
+        if not self.__dict__.get("tiles_wanted") or torch.compiler.is_compiling():
             return None
-        if not self.tiles_possible() or not copy.holds(self.weight):
-            possible = self.tiles_possible()
-            logger.info("the head's weight changed since its tile copy was made: %s it",
-                        "remaking" if possible else "dropping")
-            self.use_tiles(possible)
+        copy = self.__dict__.get("tile_copy")
+        possible = self.tiles_possible()
+        if copy is not None and possible and copy.holds(self.weight):
+            return copy.tiles
+        if copy is not None or possible:
+            logger.info("the head's weight %s: %s its tile copy", "changed" if copy is not None else "allows a copy",
+                        "dropping" if not possible else "remaking" if copy is not None else "making")
+        self.__dict__["tile_copy"] = TileCopy.of(self.weight) if possible else None
         return self.tiles
+
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())
+        state["tile_copy"] = None  # remade from the weight where it lands (a pickle or copy would carry 2x)
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, tiles=self.current_tiles())

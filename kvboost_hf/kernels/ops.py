@@ -133,9 +133,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            tiles: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a bf16/float32 ``[N, K]`` weight as it is (``K`` a multiple of 16), in ``x``'s dtype:
     16 interleaved float32 partial sums over ``k`` added in a fixed tree, so rows stay bit-independent. With
-    ``tiles`` (the weight's :func:`~kvboost_hf.kernels.linear.tile_layout`, which must hold its current values),
-    the amx_bf16 path computes a bf16 ``x`` on AMX tiles instead (one chain over ``k`` per element, rows still
-    independent); the other paths ignore them."""
+    ``tiles`` (the weight's :func:`~kvboost_hf.kernels.linear.tile_layout`, which must hold this very weight's
+    current values: the op checks only its shape, and two weights of one padded shape pass), the amx_bf16 path
+    computes a bf16 ``x`` on AMX tiles instead (one chain over ``k`` per element, rows still independent); the
+    other paths ignore them. :class:`~kvboost_hf.kernels.KernelLinear` keeps such a copy and checks it."""
     out = torch.ops.kvboost.linear(_rows(x, weight.shape[1]), weight, tiles)
     out = out.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias

@@ -4,6 +4,9 @@ of the weight it was made from."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -105,12 +108,16 @@ def test_a_changed_weight_gets_a_new_tile_copy_before_it_is_read(edit, built):
     assert layer.tiles is tiles  # an unchanged weight keeps its copy
 
 
-def test_a_tile_copy_is_dropped_where_the_weight_no_longer_allows_one(built):
+def test_a_tile_copy_is_dropped_where_the_weight_no_longer_allows_one_and_made_again_where_it_does(built):
     layer = head()
     layer.float()
     x = torch.randn(3, 64)
     assert torch.equal(layer(x), kernels.linear(x, layer.weight))
     assert layer.tiles is None
+    layer.to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    assert torch.equal(layer(x), fresh(x, layer.weight)) and layer.tiles is not None
+    layer.float()
     assert not layer.use_tiles()  # float32: none made
     with torch.inference_mode():  # inference tensors track no in-place change: none made
         frozen = kernels.KernelLinear.adopt(torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16))
@@ -127,3 +134,56 @@ def test_a_tile_copy_checks_its_samples():
     weight.data.view(-1)[flat] += 1  # one sampled element, behind the version counter's back
     assert not copy.holds(weight)
     assert not TileCopy.of(weight).holds(weight.clone())  # another tensor
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (262144, 640)])
+def test_the_samples_cover_every_column_band_whatever_the_shape(shape):
+    """N * K / 128 a multiple of K (any N a multiple of 128) once put every sample in column 0."""
+    n, k = shape
+    weight = torch.zeros(n, k, dtype=torch.bfloat16)
+    copy = TileCopy.of(weight)
+    assert len(set((copy.weight_index % k).tolist())) > 32
+    weight.data[:, 1:].fill_(1)  # all but column 0, through .data
+    assert not copy.holds(weight)
+
+
+def test_a_nan_in_the_weight_is_held_as_itself(built):
+    layer = head()
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    sampled = layer.tile_copy.weight_index[0]
+    layer.weight.data.view(-1)[sampled] = float("nan")  # behind the version counter: remade once
+    layer(x)
+    tiles = layer.tiles
+    layer(x)
+    assert layer.tiles is tiles and layer.tile_copy.holds(layer.weight)
+
+
+def test_copies_and_pickles_leave_the_tile_copy_out_and_make_their_own(built, tmp_path):
+    layer = head()
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert other.tiles is None and other.weight.data_ptr() != layer.weight.data_ptr()
+        assert torch.equal(other(x), fresh(x, other.weight)) and other.tiles is not None
+    torch.save(layer, tmp_path / "with.pt")
+    layer.use_tiles(False)
+    torch.save(layer, tmp_path / "without.pt")
+    assert (tmp_path / "with.pt").stat().st_size < 1.2 * (tmp_path / "without.pt").stat().st_size
+
+
+def test_a_compiled_head_computes_on_the_weight_rows(built):
+    layer = head()
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), kernels.linear(x, layer.weight))
+    assert torch.equal(layer(x), fresh(x, layer.weight))  # eager: the tile copy
+
+
+def test_a_tile_tensor_without_dimensions_is_refused_clearly(built):
+    weight = bf16_weight(64, 64, seed=4)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    if kernels.current_isa() == "amx_bf16":
+        with pytest.raises(RuntimeError, match="tile layout"):
+            kernels.linear(x, weight, tiles=torch.tensor(1.0, dtype=torch.bfloat16))
+    else:
+        assert torch.equal(kernels.linear(x, weight, tiles=torch.tensor(1.0)), kernels.linear(x, weight))
