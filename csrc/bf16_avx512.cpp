@@ -1,5 +1,5 @@
 // The bf16 elementwise loops of the layer ops on AVX-512 (F/BW): the bits of their scalar loops in layer.cpp and
-// ops.cpp, which round each float result to bf16 as c10::BFloat16 does (to nearest even, NaN to 0x7FC0), 16 at a
+// row_ops.cpp, which round each float result to bf16 as c10::BFloat16 does (to nearest even, NaN to 0x7FC0), 16 at a
 // time. A decode step's few rows ran these scalar (layer.cpp builds without auto-vectorization): RoPE, the
 // projections' rounding and the residual adds took ~1.9 ms of a 9-row forward of Gemma-3-270M, on one thread.
 // Compiled for AVX-512 and called only where the ISA in effect has it.

@@ -1,5 +1,5 @@
-// What ops.cpp shares with the other torch-facing translation units (layer.cpp, decoder.cpp): the ops a decoder
-// layer composes.
+// What ops.cpp and row_ops.cpp share with the other torch-facing translation units (layer.cpp, decoder.cpp): the ISA
+// in effect and the ops a decoder layer composes.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -15,8 +15,18 @@
 // them). Both give the same bits (tested).
 constexpr int64_t kKvbLoopElements = 16384;
 
+// The ISA paths (ops.py's ISA_LEVELS) and the one in effect (set_isa_level; ops.cpp).
+enum KvbLevel : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+int64_t kvb_level();
+
+// Calls fn of the path for `level` (AVX-512 BF16 runs the AVX-512 kernels except where ops say otherwise).
+#define KVB_BY_LEVEL(level, fn, ...)      \
+  ((level) >= kAvx512 ? kvb_avx512::fn(__VA_ARGS__) \
+   : (level) == kAvx2 ? kvb_avx2::fn(__VA_ARGS__)   \
+                      : kvb_scalar::fn(__VA_ARGS__))
+
 // Whether the ISA path in effect has AVX-512: the elementwise loops then run kvb_avx512's (the same bits).
-bool kvb_avx512_loops();
+inline bool kvb_avx512_loops() { return kvb_level() >= kAvx512; }
 
 // An int4 weight in the kernels' layout (kvboost_kernels.h): NB = `blocks` column blocks, group size `group`.
 struct KvbInt4Weight {

@@ -1,4 +1,4 @@
-// How the ops spread work over torch's threads (ops.cpp): chunks of independent output columns taken as each
+// How the ops spread work over torch's threads (ops.cpp, row_ops.cpp): chunks of independent output columns taken as each
 // thread finishes its last, and per-thread scratch kept across calls. Which thread computes what changes no bit.
 #pragma once
 #include <ATen/Parallel.h>
