@@ -129,6 +129,8 @@ def _sampled_values(tensors: list[torch.Tensor]) -> bytes:
         if n == 0 or tensor.device.type == "meta":
             continue
         step = max(1, n // _SAMPLES_PER_TENSOR)
+        if tensor.dim() > 1 and step > 1 and step % tensor.shape[-1] == 0:
+            step -= 1  # a multiple of the row length would sample one column only (still _SAMPLES_PER_TENSOR of them)
         count = min(_SAMPLES_PER_TENSOR, (n + step - 1) // step)
         if tensor.is_contiguous():
             sample = tensor.detach().as_strided((count,), (step,), tensor.storage_offset())

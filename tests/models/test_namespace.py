@@ -80,6 +80,17 @@ def test_whole_tensor_edit_through_data_is_noticed():
     assert stats.reused_tokens == 0 and same_as_plain
 
 
+def test_an_edit_through_data_that_spares_the_first_column_is_noticed():
+    """A sampling step that is a multiple of the row length would put every sample in column 0."""
+    def edit(model):
+        weight = model.model.layers[0].self_attn.k_proj.weight
+        assert (weight.numel() // 16) % weight.shape[-1] == 0  # the case
+        weight.data[:, 1:].mul_(1.5)
+
+    stats, same_as_plain = rerun_after(edit)
+    assert stats.reused_tokens == 0 and same_as_plain
+
+
 def test_refresh_namespace_covers_edits_the_per_request_check_cannot_see():
     def edit(model):
         before = namespace(model)
