@@ -192,7 +192,6 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
   _tile_release();
 }
 
-
 // The head (a bf16 [N, K] weight repacked by kernels.tile_layout): x's rows as A tiles, the weight as B tiles read
 // in address order (a plain stream for the hardware prefetcher, unlike the weight's own rows as A tiles: 16 rows
 // read 64 bytes at a time in turn made a decode step's head slower than vdpbf16ps). Per output element: one

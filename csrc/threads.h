@@ -1,5 +1,5 @@
-// How the ops spread work over torch's threads (ops.cpp, row_ops.cpp): chunks of independent output columns taken as each
-// thread finishes its last, and per-thread scratch kept across calls. Which thread computes what changes no bit.
+// How the ops spread work over torch's threads (ops.cpp, row_ops.cpp): chunks of independent output columns taken as
+// each thread finishes its last, and per-thread scratch kept across calls. Which thread computes what changes no bit.
 #pragma once
 #include <ATen/Parallel.h>
 
