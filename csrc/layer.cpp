@@ -350,8 +350,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_step(
   // here, as a Python write's do
   key_buffer.unsafeGetTensorImpl()->bump_version();
   value_buffer.unsafeGetTensorImpl()->bump_version();
-  const at::Tensor out = kvb_causal_attention(q, key_buffer.narrow(2, first, end + rows - first),
-                                              value_buffer.narrow(2, first, end + rows - first), scale, window);
+  const at::Tensor out = kvb_causal_attention(q, key_buffer, value_buffer, first, end + rows - first, scale, window);
   at::Tensor next = layer_output(hidden, out, qweights.slice(3, 4), sides.slice(3, 4), outs.slice(3, 4),
                                  groups.slice(3, 4), kvb_sublist(biases, 3, 4), post_attention_norm, ffn_norm,
                                  post_ffn_norm, eps, activation);

@@ -46,9 +46,10 @@ at::Tensor kvb_int4_columns(const at::Tensor& x, const std::vector<KvbInt4Weight
 // torch.ops.kvboost.rms_norm: the result in x's dtype.
 at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps);
 
-// torch.ops.kvboost.attention(query, key, value, None, scale, True, window): the result in query's dtype.
-at::Tensor kvb_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
-                                int64_t window);
+// torch.ops.kvboost.attention(query, key[:, :, first:first + count], value[...], None, scale, True, window), reading
+// the range in place: the result in query's dtype.
+at::Tensor kvb_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t first,
+                                int64_t count, double scale, int64_t window);
 
 // Entries [first, first + count) of an optional-tensor list argument (layer.cpp).
 c10::List<std::optional<at::Tensor>> kvb_sublist(const c10::List<std::optional<at::Tensor>>& list, int64_t first,

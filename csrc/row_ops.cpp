@@ -14,10 +14,27 @@
 
 namespace {
 
-// Attention of q [B, H, M, D] over k, v [B, Hkv, N, D] (see KvbAttention): [B, M, H, D] in q's dtype.
-// float16 is computed from float32 copies; threads split query rows (each row computed alone).
-at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                     const std::optional<at::Tensor>& mask, double scale, bool causal, int64_t window) {
+// float [.., n] rounded to bf16 as .to(bfloat16) rounds (to nearest even, NaN to 0x7FC0): a loop up to
+// kKvbLoopElements elements (a decode step's attention output: the cast op cost ~12 us of ~60 a layer), torch's cast
+// beyond.
+at::Tensor rounded_to_bf16(const at::Tensor& x) {
+  if (x.numel() > kKvbLoopElements) return x.to(at::kBFloat16);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* f = x.data_ptr<float>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  if (kvb_avx512_loops())
+    kvb_avx512::round_to_bf16(f, x.numel(), reinterpret_cast<uint16_t*>(o));
+  else
+    for (int64_t i = 0; i < x.numel(); ++i) o[i] = c10::BFloat16(f[i]);
+  return out;
+}
+
+// Attention of q [B, H, M, D] over keys [first, first + count) of k, v [B, Hkv, N, D] (count -1: to N) (see
+// KvbAttention): [B, M, H, D] in q's dtype. float16 is computed from float32 copies; threads split query rows (each
+// row computed alone). The key range reads a cache's buffers in place (a decode step's narrow() calls cost ~7 us).
+at::Tensor attention_over(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const std::optional<at::Tensor>& mask, double scale, bool causal, int64_t window,
+                          int64_t first, int64_t count) {
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
               "kvboost attention runs on CPU tensors, got ", query.device());
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
@@ -30,7 +47,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "attention inputs must be float32, bfloat16 or float16, got ", dtype);
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), keys = key.size(2);
+  const int64_t kv_heads = key.size(1), keys = count < 0 ? key.size(2) : count;
   TORCH_CHECK(key.size(0) == batch && value.sizes() == key.sizes() && key.size(3) == dim,
               "key and value must be [", batch, ", kv_heads, keys, ", dim, "], got ", key.sizes(), " and ",
               value.sizes());
@@ -38,6 +55,11 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
               kv_heads, ")");
   TORCH_CHECK(!causal || keys >= rows, "a causal call needs at least as many keys (", keys, ") as rows (", rows, ")");
   TORCH_CHECK(window >= 0 && (window == 0 || causal), "window must be >= 0, and only given with causal, got ", window);
+  TORCH_CHECK(first >= 0 && (count < 0 ? first == 0 : first + count <= key.size(2)), "keys [", first, ", ",
+              first + count, ") must lie in the key tensor's ", key.size(2), " positions");
+  if (count >= 0 && dtype == at::kHalf)  // (float16 is copied to float32 below: the range first)
+    return attention_over(query, key.narrow(2, first, count), value.narrow(2, first, count), mask, scale, causal, window,
+                          0, -1);
   const bool half = dtype == at::kHalf;
   auto prepared = [&](const at::Tensor& t) {
     const at::Tensor u = half ? t.to(at::kFloat) : t;
@@ -46,8 +68,8 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const at::Tensor q = prepared(query), k = prepared(key), v = prepared(value);
   KvbAttention a{};
   a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
+  a.k = static_cast<const char*>(k.data_ptr()) + first * k.stride(2) * k.element_size();
+  a.v = static_cast<const char*>(v.data_ptr()) + first * v.stride(2) * v.element_size();
   a.bf16 = dtype == at::kBFloat16;
   a.batch = batch, a.heads = heads, a.kv_heads = kv_heads, a.rows = rows, a.keys = keys, a.dim = dim;
   for (int d = 0; d < 3; ++d) {
@@ -84,10 +106,15 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const int64_t scratch = kvb_attention_scratch(dim, keys, per), total = items * ((group + per - 1) / per);
   // taken as threads finish (a causal prompt's later rows read more keys: a static split of rows is uneven)
   balanced_for(total, std::max(grain, chunk_of(total, 1)), [&](const auto& take) {
-    std::vector<float> buffer(scratch);
-    for (int64_t t0, t1; take(t0, t1);) KVB_BY_LEVEL(level, attention_rows, a, t0, t1, buffer.data());
+    float* buffer = thread_scratch<float>(scratch);
+    for (int64_t t0, t1; take(t0, t1);) KVB_BY_LEVEL(level, attention_rows, a, t0, t1, buffer);
   });
-  return out.scalar_type() == dtype ? out : out.to(dtype);
+  return dtype == at::kBFloat16 ? rounded_to_bf16(out) : out.scalar_type() == dtype ? out : out.to(dtype);
+}
+
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const std::optional<at::Tensor>& mask, double scale, bool causal, int64_t window) {
+  return attention_over(query, key, value, mask, scale, causal, window, 0, -1);
 }
 
 // RMSNorm over the last dimension (see norm_body.inc): x float32, bfloat16 or float16 (computed from a
@@ -133,9 +160,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
 
 at::Tensor kvb_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) { return rms_norm(x, scale, eps); }
 
-at::Tensor kvb_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
-                                int64_t window) {
-  return attention(query, key, value, std::nullopt, scale, true, window);
+at::Tensor kvb_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t first,
+                                int64_t count, double scale, int64_t window) {
+  return attention_over(query, key, value, std::nullopt, scale, true, window, first, count);
 }
 
 TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
