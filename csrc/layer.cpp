@@ -75,12 +75,7 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
     const float* c = columns.data_ptr<float>() + offset;
     if (dtype == at::kBFloat16) {
       auto* o = y.data_ptr<c10::BFloat16>();
-      if (kvb_avx512_loops())
-        for (int64_t r = 0; r < rows; ++r)
-          kvb_avx512::round_to_bf16(c + r * ld, p.out, reinterpret_cast<uint16_t*>(o + r * p.out));
-      else
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < p.out; ++j) o[r * p.out + j] = c10::BFloat16(c[r * ld + j]);
+      for (int64_t r = 0; r < rows; ++r) kvb_round_to_bf16(c + r * ld, p.out, o + r * p.out);
     } else {
       float* o = y.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)

@@ -2,6 +2,7 @@
 // in effect and the ops a decoder layer composes.
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 #include <optional>
 #include <tuple>
@@ -27,6 +28,15 @@ int64_t kvb_level();
 
 // Whether the ISA path in effect has AVX-512: the elementwise loops then run kvb_avx512's (the same bits).
 inline bool kvb_avx512_loops() { return kvb_level() >= kAvx512; }
+
+// x[0, n) rounded to bf16 as .to(bfloat16) rounds (to nearest even, NaN to 0x7FC0): kvb_avx512's loop where the ISA
+// in effect has AVX-512, else c10::BFloat16's rounding one element at a time (the same bits).
+inline void kvb_round_to_bf16(const float* x, int64_t n, c10::BFloat16* out) {
+  if (kvb_avx512_loops())
+    kvb_avx512::round_to_bf16(x, n, reinterpret_cast<uint16_t*>(out));
+  else
+    for (int64_t i = 0; i < n; ++i) out[i] = c10::BFloat16(x[i]);
+}
 
 // An int4 weight in the kernels' layout (kvboost_kernels.h): NB = `blocks` column blocks, group size `group`.
 struct KvbInt4Weight {

@@ -20,12 +20,7 @@ namespace {
 at::Tensor rounded_to_bf16(const at::Tensor& x) {
   if (x.numel() > kKvbLoopElements) return x.to(at::kBFloat16);
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  const float* f = x.data_ptr<float>();
-  auto* o = out.data_ptr<c10::BFloat16>();
-  if (kvb_avx512_loops())
-    kvb_avx512::round_to_bf16(f, x.numel(), reinterpret_cast<uint16_t*>(o));
-  else
-    for (int64_t i = 0; i < x.numel(); ++i) o[i] = c10::BFloat16(f[i]);
+  kvb_round_to_bf16(x.data_ptr<float>(), x.numel(), out.data_ptr<c10::BFloat16>());
   return out;
 }
 
@@ -147,11 +142,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
     }
     std::vector<float> scratch((r1 - r0) * n);
     KVB_BY_LEVEL(level, rms_rows, xp + r0 * row_bytes, true, n, n, sp, e, 0, r1 - r0, scratch.data());
-    c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r0 * n;
-    if (level >= kAvx512)
-      kvb_avx512::round_to_bf16(scratch.data(), static_cast<int64_t>(scratch.size()), reinterpret_cast<uint16_t*>(o));
-    else
-      for (size_t i = 0; i < scratch.size(); ++i) o[i] = c10::BFloat16(scratch[i]);
+    kvb_round_to_bf16(scratch.data(), static_cast<int64_t>(scratch.size()), out.data_ptr<c10::BFloat16>() + r0 * n);
   });
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
