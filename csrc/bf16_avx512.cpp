@@ -3,10 +3,10 @@
 // time. A decode step's few rows ran these scalar (layer.cpp builds without auto-vectorization): RoPE, the
 // projections' rounding and the residual adds took ~1.9 ms of a 9-row forward of Gemma-3-270M, on one thread.
 // Compiled for AVX-512 and called only where the ISA in effect has it.
+#include "kvboost_kernels.h"
+
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #include <immintrin.h>
-
-#include "kvboost_kernels.h"
 
 namespace kvb_avx512 {
 namespace {

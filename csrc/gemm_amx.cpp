@@ -10,8 +10,8 @@
 // Groups must be multiples of 32 (one instruction's k): ops.cpp runs others on the avx512_bf16 path.
 // Compiled for AMX, called only where the CPU has it (and VBMI, which the decoding uses) and Linux granted
 // this process the tile state.
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
-#include <immintrin.h>
+// Standard headers come before the target pragma: under it, GCC 13 compiled <vector>'s members with the AMX
+// target and then refused to inline the always_inline allocator into them ("target specific option mismatch").
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -19,6 +19,9 @@
 #include <vector>
 
 #include "kvboost_kernels.h"
+
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
+#include <immintrin.h>
 
 namespace kvb_amx {
 namespace {

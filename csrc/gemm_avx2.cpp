@@ -1,10 +1,10 @@
 // AVX2 + FMA path: a 16-column block is two 8-lane registers; row tiles of 6 rows (12 accumulators).
 // Everything in this file is compiled for AVX2 and called only when the CPU has it; it includes no
 // C++ library templates, whose AVX2 instances could otherwise be picked by the linker for other code.
+#include "kvboost_kernels.h"
+
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
-
-#include "kvboost_kernels.h"
 
 namespace kvb_avx2 {
 namespace {

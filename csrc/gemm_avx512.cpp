@@ -1,9 +1,9 @@
 // AVX-512 (F/BW/VL/DQ) path: a 16-column block is one register; row tiles of 8 rows.
 // Compiled for AVX-512 and called only when the CPU has it (see gemm_avx2.cpp on library templates).
+#include "kvboost_kernels.h"
+
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #include <immintrin.h>
-
-#include "kvboost_kernels.h"
 
 namespace kvb_avx512 {
 namespace {

@@ -8,10 +8,10 @@
 // AVX-512 BF16, called only when the CPU has it; the VBMI decoding below runs only where the CPU has
 // that too (Cooper Lake has BF16 without VBMI). No auto-vectorization (build flags): the compiler emits
 // VBMI instructions only where the intrinsics below ask for them.
+#include "kvboost_kernels.h"
+
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
-
-#include "kvboost_kernels.h"
 
 namespace kvb_avx512bf16 {
 namespace {

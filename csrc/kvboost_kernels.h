@@ -1,3 +1,6 @@
+#pragma once
+#include <cstdint>
+
 // Weight-only GEMM kernels for the models kvboost_hf owns: out[m, n] = sum_k x[m, k] * w[k, n].
 //
 // One contract for every ISA path (scalar, AVX2, AVX-512): each output element is accumulated in
@@ -23,9 +26,6 @@ constexpr int64_t KVB_INT4_NUMERICS_VERSION = 2;
 //   do not repack (a tied LM head): 16 interleaved partial sums over k, then a fixed tree (gemm_body.inc).
 // Activations x: float [M, K] contiguous. Output: float [M, ldo], block b at columns 16b.
 // This header is plain C++ (no torch), shared by the per-ISA translation units.
-#pragma once
-#include <cstdint>
-
 struct Bf16 {  // the bits of one bfloat16 (tags a row-major bf16 weight for the kernels' overloads)
   uint16_t bits;
 };

@@ -106,9 +106,28 @@ def _build_and_load() -> BuildResult:
                                       extra_include_paths=[str(sources)], build_directory=str(folder),
                                       is_python_module=False, verbose=False)
     except Exception as error:  # a compiler error, a missing ninja, a loader error: all mean "not built"
-        return BuildResult(None, f"build failed in {folder}: {type(error).__name__}: {str(error)[-500:]}")
+        text = f"{type(error).__name__}: {error}"
+        log = folder / "build-error.log"
+        try:
+            log.write_text(text + "\n")
+        except OSError:
+            log = None
+        where = f"build failed in {folder}" + (f" (whole output: {log})" if log else "")
+        return BuildResult(None, f"{where}: {build_error_summary(text)}")
     logger.info("kvboost_hf kernels loaded from %s", path)
     return BuildResult(str(path))
+
+
+def build_error_summary(text: str, limit: int = 600) -> str:
+    """The lines of a failed build's output that say why: the compiler's ``error`` lines (the first four, once
+    each). Where it printed none (killed, say), the tail, which names the failed command."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and not line.startswith(("FAILED:", "ninja:"))
+              and " -c " not in line]
+    if not errors:
+        return text[-limit:]
+    summary = " | ".join(dict.fromkeys(errors[:4]))
+    return summary if len(summary) <= limit else summary[: limit - 3] + "..."
 
 
 def _clear_stale_baton(folder: Path) -> None:

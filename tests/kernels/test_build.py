@@ -101,3 +101,31 @@ def test_a_wheel_carries_the_sources_and_an_installed_package_finds_them(tmp_pat
     found = subprocess.run([sys.executable, "-c", probe_code], cwd=tmp_path, env=env, capture_output=True, text=True,
                            check=True, timeout=120).stdout.strip()
     assert Path(found) == site / "kvboost_hf" / "kernels" / "csrc"
+
+
+def test_a_failed_compile_names_the_compiler_error_and_keeps_the_whole_output(tmp_path: Path):
+    """The reason quotes the compiler's error line (not the tail of the failed command line, which is all the
+    last 500 characters held), and the whole output stays in the build folder."""
+    from kvboost_hf.kernels.build import source_dir
+
+    broken = tmp_path / "csrc"
+    shutil.copytree(source_dir(), broken)
+    for source in broken.glob("*.cpp"):
+        source.write_text("#error planted by the test\n" + source.read_text())
+    got = probe(KVBOOST_HF_CSRC=str(broken), KVBOOST_HF_CACHE=str(tmp_path / "cache"))
+    assert got["built"] is False and "planted by the test" in got["reason"]
+    logs = list((tmp_path / "cache" / "kernels").glob("*/build-error.log"))
+    assert len(logs) == 1 and str(logs[0]) in got["reason"] and "FAILED" in logs[0].read_text()
+    assert got["log"].count("kernels unavailable") == 1
+
+
+def test_a_build_error_summary_prefers_compiler_errors_to_the_command_tail():
+    from kvboost_hf.kernels.build import build_error_summary
+
+    command = "c++ -MMD -MF ops.o.d -O3 -fopenmp -c /src/ops.cpp -o ops.o"
+    text = (f"RuntimeError: Error building extension 'k': [1/2] {command}\nFAILED: ops.o\n{command}\n"
+            "/src/ops.cpp:3:10: fatal error: Python.h: No such file or directory\ncompilation terminated.\n"
+            "ninja: build stopped: subcommand failed.\n")
+    assert build_error_summary(text) == "/src/ops.cpp:3:10: fatal error: Python.h: No such file or directory"
+    silent = f"RuntimeError: Error building extension 'k': [1/2] {command}\nFAILED: ops.o\n{command}\nninja: build stopped"
+    assert build_error_summary(silent, limit=80) == silent[-80:]
