@@ -57,6 +57,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kvboost_hf.kernels.layer import as_own_class, mix_in, mix_out
 from kvboost_hf.kernels.plan import DECODER_FORMS, WITNESS_ATTR, Plan, held_or_new_plan
+from kvboost_hf.kernels.rotary import BLOCKS_ATTR, rotary_rows
 from kvboost_hf.models import attention
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class KernelDecoderMixin:
 
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the decoder's own class (:func:`fuse_decoder` fuses the copy again)."""
-        return as_own_class(self, forget=(FRESH_LAYER, WITNESS_ATTR))
+        return as_own_class(self, forget=(FRESH_LAYER, WITNESS_ATTR, BLOCKS_ATTR))
 
 
 def _plain(decoder: nn.Module, kwargs: dict) -> bool:
@@ -230,9 +231,10 @@ def _position_embeddings(decoder: nn.Module, hidden: torch.Tensor, positions: to
     """The ``(cos, sin)`` of each of ``plan.rotary`` as the decoder computes them (layer i takes the
     ``plan.rope[i]``-th), or None where a layer's ops do not take them."""
     if plan.types is None:
-        embeddings = [decoder.rotary_emb(hidden, positions)]
+        embeddings = [rotary_rows(decoder, hidden, positions, None) or decoder.rotary_emb(hidden, positions)]
     else:
-        embeddings = [decoder.rotary_emb(hidden, positions, t) for t in plan.rotary]
+        embeddings = [rotary_rows(decoder, hidden, positions, t) or decoder.rotary_emb(hidden, positions, t)
+                      for t in plan.rotary]
     for (_, _, head_dim, _, _), rope in zip(plan.layers, plan.rope):
         cos, sin = embeddings[rope]
         if cos.dtype != hidden.dtype or sin.dtype != hidden.dtype or cos.shape[-1] != head_dim:
@@ -294,4 +296,4 @@ def fuse_decoder(model: nn.Module, fresh_layer: FreshLayer | None = None) -> int
 
 def unfuse_decoder(model: nn.Module) -> int:
     """Undo :func:`fuse_decoder`; returns how many decoders changed."""
-    return mix_out(model, KernelDecoderMixin, forget=(FRESH_LAYER, WITNESS_ATTR))
+    return mix_out(model, KernelDecoderMixin, forget=(FRESH_LAYER, WITNESS_ATTR, BLOCKS_ATTR))
