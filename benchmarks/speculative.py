@@ -297,6 +297,9 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=600)
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--draft-vocab", type=int, default=32768, help="FR-Spec head size of the int4 self-drafts")
+    parser.add_argument("--head-vocabs", default=None,
+                        help="comma-separated FR-Spec head sizes of the int4 workload's head drafts, run side by side "
+                             "in one process (default: --draft-vocab)")
     parser.add_argument("--awq-throttle-mbps", default="0,1000",
                         help="comma-separated host-source bandwidths of the streamed target in MB/s, one streamed "
                              "workload each (0: RAM speed; 1000: as in docs/streaming.md's overlap experiment)")
@@ -377,20 +380,21 @@ def main() -> None:
         # and 16 (fixed, or the adaptive controller's most): a head draft's verification, the bf16 head over
         # every row, costs about one step on tiles (amx_bf16), so longer rounds may pay
         fixed16, longest16 = ControllerSettings(adaptive=False, max_tokens=16), ControllerSettings(max_tokens=16)
-        head = make_head_draft(resident, args.draft_vocab, tokenizer=tokenizer)
-        variants = only({"plain": {}, f"int4-{vocab}": {"draft": full},
-                         f"int4-{vocab}-fixed8": {"draft": full, "speculation": fixed},
-                         f"int4-{vocab}-layers{args.lean_layers}": {"draft": lean},
-                         f"head-{vocab}": {"draft": head},
-                         f"head-{vocab}-fixed8": {"draft": head, "speculation": fixed},
-                         f"head-{vocab}-fixed16": {"draft": head, "speculation": fixed16},
-                         f"head-{vocab}-max16": {"draft": head, "speculation": longest16}})
+        variants = {"plain": {}, f"int4-{vocab}": {"draft": full},
+                    f"int4-{vocab}-fixed8": {"draft": full, "speculation": fixed},
+                    f"int4-{vocab}-layers{args.lean_layers}": {"draft": lean}}
+        for size in (int(v) for v in (args.head_vocabs or str(args.draft_vocab)).split(",")):
+            head, name = make_head_draft(resident, size, tokenizer=tokenizer), f"head-vocab{size // 1024}k"
+            variants.update({name: {"draft": head}, f"{name}-fixed8": {"draft": head, "speculation": fixed},
+                             f"{name}-fixed16": {"draft": head, "speculation": fixed16},
+                             f"{name}-max16": {"draft": head, "speculation": longest16}})
+        variants = only(variants)
         chat = [c[:1] for c in CHAT_TURNS[:1]] if args.quick else CHAT_TURNS
         result["workloads"]["int4 chat"] = bench_workload(resident, None, variants, args, eos, store_bytes,
                                                           chat=chat, tokenizer=tokenizer)
         prompts = document_prompts(tokenizer, args.documents, args.doc_tokens)
         result["workloads"]["int4 document"] = bench_workload(resident, prompts, variants, args, eos, store_bytes)
-        del resident, full, lean, head
+        del resident, full, lean, head, variants
     import json
 
     out_dir = Path(tempfile.mkdtemp(prefix="speculative-quick-")) if args.quick else DOCS_BENCH
