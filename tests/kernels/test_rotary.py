@@ -109,7 +109,101 @@ def test_a_module_whose_rows_depend_on_the_call_is_refused_for_good(monkeypatch)
     dec = decoder("llama", 64)
     hidden, positions = torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.tensor([[3]])
     assert rotary_rows(dec, hidden, positions, None) is None
-    assert dec.__dict__[BLOCKS_ATTR][None] is None
     calls = []
-    monkeypatch.setattr(rotary, "_new_block", lambda *args: calls.append(args))
-    assert rotary_rows(dec, hidden, positions, None) is None and not calls  # not tried again
+    with monkeypatch.context() as patch:
+        patch.setattr(rotary, "_new_block", lambda *args: calls.append(args))
+        assert rotary_rows(dec, hidden, positions, None) is None and not calls  # not tried again
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", forward)
+    dec.rotary_emb = type(dec.rotary_emb)(dec.config)  # another module: tried again
+    assert torch.equal(rotary_rows(dec, hidden, positions, None)[0], own(dec, hidden, positions, None)[0])
+
+
+def test_edits_that_move_no_version_counter_and_forwards_set_later_are_seen(monkeypatch):
+    """Found by review: an edit through ``.data`` or the storage, a ``forward`` set on the instance (as accelerate's
+    hooks are) or patched on the class after a block was made, a global hook: each gives what the module gives."""
+    dec = decoder("llama", 64)
+    hidden, positions = torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.tensor([[9]])
+    rot = dec.rotary_emb
+
+    def same() -> bool:
+        got = rotary_rows(dec, hidden, positions, None)
+        want = own(dec, hidden, positions, None)
+        return got is None or all(torch.equal(g, w) for g, w in zip(got, want))
+
+    assert rotary_rows(dec, hidden, positions, None) is not None
+    rot.inv_freq.data.mul_(0.5)
+    assert same()
+    rot.inv_freq.data = rot.inv_freq * 0.5
+    assert same()
+    rot.inv_freq.untyped_storage().copy_((rot.inv_freq * 3).untyped_storage())
+    assert same()
+    rot.forward = lambda x, position_ids: tuple(t * 2 for t in type(rot).forward(rot, x, position_ids))
+    assert rotary_rows(dec, hidden, positions, None) is None and same()
+    del rot.forward
+    original = type(rot).forward
+    assert rotary_rows(dec, hidden, positions, None) is not None
+    monkeypatch.setattr(type(rot), "forward", lambda self, x, position_ids: tuple(
+        t * 3 for t in original(self, x, position_ids)))
+    assert same()
+    monkeypatch.setattr(type(rot), "forward", original)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out)
+    try:
+        assert rotary_rows(dec, hidden, positions, None) is None
+    finally:
+        handle.remove()
+
+
+def test_frequencies_made_under_inference_mode_and_scales_that_are_not_floats():
+    with torch.inference_mode():
+        dec = decoder("llama", 64)  # inference tensors: no version counter
+    hidden, positions = torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.tensor([[4]])
+    assert dec.rotary_emb.inv_freq.is_inference()
+    with torch.no_grad():
+        got = rotary_rows(dec, hidden, positions, None)
+    assert got is not None and torch.equal(got[0], own(dec, hidden, positions, None)[0])
+    dec.rotary_emb.attention_scaling = torch.tensor(1.0)  # a tensor can change in place: never a block
+    assert rotary_rows(dec, hidden, positions, None) is None
+    dec.rotary_emb.attention_scaling = -0.0  # -0.0 == 0.0, but the bits differ: a new block
+    got = rotary_rows(dec, hidden, positions, None)
+    assert torch.equal(got[0], own(dec, hidden, positions, None)[0])
+    assert rotary_rows(dec, hidden, torch.zeros(1, 0, dtype=torch.long), None) is None  # no rows: the module's
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_fused_int4_decoder_serving_blocks_gives_transformers_logits(family, tmp_path, monkeypatch):
+    """End to end at head size 64 (the shared tiny models' 16 never take blocks): prefill, then 70 one-row steps
+    across two block edges, the fused decoder's logits against the same model's own forward."""
+    from transformers import DynamicCache
+
+    from kvboost_hf import kernels
+    from kvboost_hf.kernels import decoder as fused
+    from kvboost_hf.streaming.pack import pack_model
+    from tests.streaming.conftest import load_awq
+
+    if not kernels.available().built:
+        pytest.fail("the kernels must build in CI")
+    torch.manual_seed(3)
+    common = dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, num_hidden_layers=3)
+    config = (LlamaConfig(**common) if family == "llama" else Gemma3TextConfig(
+        sliding_window=16, layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common))
+    float_model = (LlamaForCausalLM if family == "llama" else Gemma3ForCausalLM)(config).eval()
+    pack_model(float_model, tmp_path, group_size=32)
+    model = load_awq(tmp_path, residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    served = []
+    real = rotary_rows
+    monkeypatch.setattr(fused, "rotary_rows", lambda *args: served.append(real(*args)) or served[-1])
+    ids = torch.randint(3, 96, (1, 76), generator=torch.Generator().manual_seed(5))
+
+    def steps():
+        cache = DynamicCache(config=model.config)
+        out = [model(input_ids=ids[:, :6], past_key_values=cache).logits]
+        out += [model(input_ids=ids[:, t: t + 1], past_key_values=cache).logits for t in range(6, ids.shape[1])]
+        return torch.cat(out, 1)
+
+    with torch.no_grad():
+        got = steps()
+        assert sum(rows is not None for rows in served) >= 70
+        assert fused.unfuse_decoder(model) == 1
+        want = steps()
+    assert torch.equal(got, want)
