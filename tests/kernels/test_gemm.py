@@ -189,8 +189,10 @@ def test_any_zero_gives_the_scalar_paths_bits_at_every_row_count(isa_paths):
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16", "fp32", "row-major"])
 def test_thread_count_never_changes_a_bit(kind, built):
-    """Threads take chunks of columns as they finish them (a chunk per thread, more chunks than threads, a last
-    chunk cut short: 2048 columns, and 80 for fewer chunks than some thread counts); no count changes a bit."""
+    """Each thread takes its own run of column chunks, then chunks from the back of the others' runs (a chunk per
+    thread, more chunks than threads, a last chunk cut short: 2048 columns, and 80 for fewer chunks than some thread
+    counts; 3 and 7 threads on fewer cores are descheduled in turn, so they take from each other's runs); no count
+    changes a bit, and no chunk is left out (a missing one would leave the output's memory as it was)."""
     gen = torch.Generator().manual_seed(4)
     for n in (2048, 80):
         if kind == "row-major":
