@@ -128,7 +128,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                            "model's head), prompt lookup, store-wide n-gram drafts, or an assistant model sharing "
                            "the tokenizer")
     spec.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                      help="self-draft / head-draft LM head restricted to the N most frequent tokens (FR-Spec)")
+                      help="self-draft / head-draft LM head restricted to the N most frequent tokens (FR-Spec); "
+                           "--draft head defaults to 16384 where the vocabulary is larger")
     spec.add_argument("--draft-layers", type=int, default=None, metavar="N",
                       help="self-draft keeps the first N decoder layers")
     ray = parser.add_argument_group("Ray Serve (pip install 'kvboost_hf[ray]')")

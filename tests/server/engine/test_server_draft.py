@@ -87,3 +87,14 @@ def test_serve_command_with_draft(tmp_path):
             assert ("speculation" in stats) == bool(flags)
             assert stats["queue"]["scheduler"] == ("workers" if flags else "batch")  # --draft picks workers
     assert replies[0] == replies[1] and replies[0]
+
+
+def test_a_head_draft_takes_a_16k_head_where_the_vocabulary_is_larger():
+    """Without --draft-vocab, --draft head restricts its head to the 16,384 most frequent tokens where the model has
+    more (the full head is read at every drafted token); --draft-vocab still decides, and a small vocabulary stays
+    whole."""
+    tokenizer = tiny_tokenizer()
+    large = make_tiny("llama", vocab_size=20000)
+    assert build_draft("head", large, tokenizer).draft_name == "head-int8-vocab16384"
+    assert build_draft("head", large, tokenizer, vocab=1000).draft_name == "head-int8-vocab1000"
+    assert build_draft("head", make_tiny("llama"), tokenizer).draft_name == "head-int8"
