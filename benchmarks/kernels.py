@@ -99,13 +99,17 @@ def layer_rows(reps: int) -> dict:
 
 
 def interleave(fns: dict, reps: int) -> dict:
+    """Median ms of each of ``fns``, run in turn ``reps`` times, the order rotated every rep: what runs just before a
+    call matters (a one-row int4 GEMM right after MKL's fp32 GEMM waited ~35 us for torch's OpenMP threads to wake,
+    session 21), so each follows each of the others as often."""
     samples = {name: [] for name in fns}
+    names = list(fns)
     for fn in fns.values():
         fn()
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             samples[name].append((time.perf_counter() - start) * 1e3)
     return {name: median(s) for name, s in samples.items()}
 
