@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import random
 import time
 from pathlib import Path
 
@@ -99,15 +100,18 @@ def layer_rows(reps: int) -> dict:
 
 
 def interleave(fns: dict, reps: int) -> dict:
-    """Median ms of each of ``fns``, run in turn ``reps`` times, the order rotated every rep: what runs just before a
-    call matters (a one-row int4 GEMM right after MKL's fp32 GEMM waited ~35 us for torch's OpenMP threads to wake,
-    session 21), so each follows each of the others as often."""
+    """Median ms of each of ``fns``, run in turn ``reps`` times in a shuffled order (seeded, another every rep): what
+    runs just before a call matters. In a fixed order (or a rotated one, which keeps each call's predecessor) the
+    first variant always ran right after MKL's fp32 GEMM, whose pause put libgomp's threads to sleep: a one-row
+    int4 GEMM then took ~0.085 ms against 0.03 back to back (session 21)."""
     samples = {name: [] for name in fns}
     names = list(fns)
+    order = random.Random(0)
     for fn in fns.values():
         fn()
-    for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+    for _ in range(reps):
+        order.shuffle(names)
+        for name in names:
             start = time.perf_counter()
             fns[name]()
             samples[name].append((time.perf_counter() - start) * 1e3)
