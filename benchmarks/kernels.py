@@ -37,9 +37,9 @@ import argparse
 import functools
 import json
 import os
+import random
 import subprocess
 import sys
-import random
 import time
 from pathlib import Path
 
