@@ -51,11 +51,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from kvboost_hf.kernels.layer import as_own_class, mix_in, mix_out
+from kvboost_hf.kernels.layer import as_own_class, global_hooks, mix_in, mix_out
 from kvboost_hf.kernels.plan import DECODER_FORMS, WITNESS_ATTR, Plan, held_or_new_plan
 from kvboost_hf.kernels.rotary import BLOCKS_ATTR, rotary_rows
 from kvboost_hf.models import attention
@@ -157,7 +156,7 @@ def _plain(decoder: nn.Module, kwargs: dict) -> bool:
             and attention.attention_implementation(config) == attention.ATTENTION_NAME
             and attention.scattered_queries() is None and attention.route_is_decode_exact(attention.attention_route())
             and not torch.compiler.is_compiling()
-            and not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
+            and not global_hooks())
 
 
 def _updates_layers_only(cache: Cache) -> bool:

@@ -92,6 +92,12 @@ def _instance_forward(module: nn.Module) -> bool:
                                      and f.__func__ is getattr(type(module), "forward", None))
 
 
+def global_hooks() -> bool:
+    """Whether hooks for every module's call are registered (``register_module_forward_hook`` and its pre-hook kind):
+    a path that computes modules without calling them would skip those."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
 ABSENT = object()  # a key not in a dict (None may be a value: a bias registered as None, forward = None)
 
 
@@ -232,7 +238,7 @@ class KernelLayerMixin:
                 or not hidden_states.is_cpu or hidden_states.dim() != 3
                 or hidden_states.dtype not in _DTYPES or torch.compiler.is_compiling()
                 or torch.is_grad_enabled() and hidden_states.requires_grad
-                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
+                or global_hooks()):
             return None
         cos, sin = embeddings
         if cos.dtype != hidden_states.dtype or sin.dtype != hidden_states.dtype or cos.shape[-1] != attn.head_dim:

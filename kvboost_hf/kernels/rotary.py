@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 
-from kvboost_hf.kernels.layer import _hooked
+from kvboost_hf.kernels.layer import _hooked, global_hooks
 
 BLOCK = 64  # positions per block: a decode step moves one position, so a block is made every 64 steps
 BLOCKS_ATTR = "_kvboost_rotary_blocks"  # a fused decoder's attribute: {layer type: _Block or _Refused}
@@ -85,8 +84,7 @@ def rotary_rows(decoder: nn.Module, hidden: torch.Tensor, positions: torch.Tenso
 def _static_source(module: nn.Module | None, layer_type: str | None) -> tuple[torch.Tensor, str] | None:
     """The inverse frequencies and the scale's bits a block is made from, where ``module`` may take blocks (module
     doc)."""
-    if (module is None or not type(module).__module__.startswith("transformers.") or _hooked(module)
-            or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
+    if module is None or not type(module).__module__.startswith("transformers.") or _hooked(module) or global_hooks():
         return None
     rope = getattr(module, "rope_type", None)
     rope = rope if layer_type is None or not isinstance(rope, dict) else rope.get(layer_type)

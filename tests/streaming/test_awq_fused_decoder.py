@@ -189,6 +189,27 @@ def test_a_decoder_asked_for_a_tuple_gives_one(tiny_awq, kernels_built, fast_loo
     assert isinstance(out, tuple) and fast_loops["n"] == 1
 
 
+def test_a_global_module_hook_sees_every_module_call(tiny_awq, kernels_built, fast_loops):
+    """A hook for every module's call (``register_module_forward_hook``) runs on each module as in the decoder's own
+    forward: the fast loop, the fused layers and the rotary blocks step aside while one is set, with the same bits."""
+    model = awq_model("gemma3", tiny_awq, None)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(8))
+    calls: list[str] = []
+    names = {module: name for name, module in model.named_modules()}
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: calls.append(names.get(module, "")))
+    try:
+        fused, plain, taken = fused_and_plain(model, lambda: prefill_then_steps(model, ids, 12), fast_loops)
+    finally:
+        handle.remove()
+    assert taken == 0 and torch.equal(fused, plain)
+    half = len(calls) // 2  # the fused run's calls, then transformers' forward's
+    assert calls[:half] == calls[half:] and sum(name.endswith(".mlp") for name in calls[:half]) == 9 * 6
+    with torch.no_grad():
+        prefill_then_steps(model, ids, 12)
+    assert fast_loops["n"] > 0  # removed: the loop again
+
+
 def test_a_hook_on_a_layer_still_runs(tiny_awq, kernels_built, fast_loops):
     model = awq_model("llama", tiny_awq, None)
     seen, handle = _hooked_layer(model)
