@@ -17,6 +17,8 @@ HOSTS = ("ram", "mmap")
 KERNEL_CHOICES = ("auto", "kvboost", "torch")
 # Fields the checkpoint decides; everything else is a loading attribute chosen by the user.
 CHECKPOINT_FIELDS = ("bits", "group_size", "zero_point", "version", "modules_to_not_convert")
+SETTINGS = ("residency_mode", "keep_first_k", "keep_last_k", "n_staging_slots", "host", "prefetch", "mmap_dir",
+            "throttle_bytes_per_s", *CHECKPOINT_FIELDS, "kernel", "huge_pages", "head_tiles")
 
 
 class StreamingAWQConfig(QuantizationConfigMixin):
@@ -69,6 +71,13 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         head_tiles: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        unknown = sorted(set(kwargs) - {"quant_method"})  # quant_method: to_dict's own key, read back by from_dict
+        if unknown:
+            raise TypeError(
+                f"StreamingAWQConfig got unknown setting(s) {', '.join(map(repr, unknown))}; its settings are "
+                f"{', '.join(SETTINGS)}. dtype and device_map are from_pretrained's own arguments: "
+                "from_pretrained(path, quantization_config=StreamingAWQConfig(...), dtype=torch.bfloat16)"
+            )
         self.quant_method = QUANT_METHOD
         self.residency_mode = residency_mode
         self.keep_first_k = keep_first_k

@@ -37,28 +37,24 @@ class StreamingAWQQuantizer(HfQuantizer):
         self._index: dict[str, str] = {}
         self._placed: dict[str, int] = {}
         self._files: list[str] = []
+        self._device = torch.device("cpu")  # where update_device_map places the model (None: the CPU)
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         self.quantization_config.check_checkpoint_fields()
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        if dtype in (None, torch.float16) and not torch.cuda.is_available():
+        """bfloat16 in place of float16 (an AWQ checkpoint's own dtype) for a model placed on a CPU, whose int4
+        kernels take bf16; called after :meth:`update_device_map` has said where the model goes."""
+        if dtype in (None, torch.float16) and self._device.type == "cpu":
             logger.info("AWQ streaming on CPU: computing in bfloat16 instead of %s (int4 kernels take bf16)", dtype)
             return torch.bfloat16
         return dtype
 
     def update_device_map(self, device_map: dict[str, Any] | str | None) -> dict[str, Any] | None:
         """One device for the whole model, so accelerate adds no hooks of its own."""
-        if device_map is None:
-            return None
-        if isinstance(device_map, dict):
-            devices = {str(d) for d in device_map.values()}
-            if len(devices) != 1:
-                raise ValueError(f"device_map must place the whole model on one device for AWQ streaming: {devices}")
-            return {"": devices.pop()}
-        if device_map in ("auto", "balanced", "sequential"):
-            return {"": "cuda:0" if torch.cuda.is_available() else "cpu"}
-        return {"": device_map}
+        placed = _one_device(device_map)
+        self._device = _device(placed)
+        return placed
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
         self._files = list(checkpoint_files or [])
@@ -86,3 +82,25 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(StreamingAWQConfig)
     if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not StreamingAWQQuantizer:
         register_quantizer(QUANT_METHOD)(StreamingAWQQuantizer)
+
+
+def _one_device(device_map: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """``device_map`` as one device for the whole model (None stays None: the CPU)."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, dict):
+        devices = {str(d) for d in device_map.values()}
+        if len(devices) != 1:
+            raise ValueError(f"device_map must place the whole model on one device for AWQ streaming: {devices}")
+        return {"": devices.pop()}
+    if device_map in ("auto", "balanced", "sequential"):
+        return {"": "cuda:0" if torch.cuda.is_available() else "cpu"}
+    return {"": device_map}
+
+
+def _device(placed: dict[str, Any] | None) -> torch.device:
+    """The device of :func:`_one_device`'s map (an int is a CUDA index, as accelerate reads it)."""
+    if placed is None:
+        return torch.device("cpu")
+    name = str(placed[""])
+    return torch.device(f"cuda:{name}" if name.isdigit() else name)

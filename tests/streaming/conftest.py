@@ -15,9 +15,12 @@ TINY_LAYERS = 6
 TINY_GROUP = 32
 
 
-def load_awq(path, **settings) -> torch.nn.Module:
-    """An AWQ checkpoint loaded through ``from_pretrained`` with :class:`StreamingAWQConfig`."""
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=StreamingAWQConfig(**settings))
+def load_awq(path, dtype: torch.dtype | None = None, **settings) -> torch.nn.Module:
+    """An AWQ checkpoint loaded through ``from_pretrained`` with :class:`StreamingAWQConfig` (``settings``) in
+    ``dtype`` (None: the quantizer's choice)."""
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=StreamingAWQConfig(**settings), **kwargs)
+    assert dtype is None or model.dtype == dtype, (model.dtype, dtype)
     return model.eval()
 
 

@@ -1,4 +1,4 @@
-"""Each misuse is a ValueError that names the setting."""
+"""Each misuse is a ValueError that names the setting (an unknown setting: a TypeError)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import shutil
 
 import pytest
+import torch
 
-from kvboost_hf.streaming import StreamingAWQConfig
+from kvboost_hf.streaming import StreamingAWQConfig, StreamingAWQQuantizer
 from tests.conftest import make_tiny
 from tests.streaming.conftest import load_awq
 
@@ -73,3 +74,39 @@ def test_staging_slots_below_one(slots):
 def test_other_settings(setting, value):
     with pytest.raises(ValueError, match=setting):
         StreamingAWQConfig(**{setting: value})
+
+
+@pytest.mark.parametrize("name", ["dtype", "torch_dtype", "device_map", "residency"])
+def test_an_unknown_setting_is_refused_not_ignored(name):
+    """``StreamingAWQConfig(dtype=...)`` once loaded the checkpoint's float16 (bfloat16 on a CPU) in silence."""
+    with pytest.raises(TypeError, match=rf"unknown setting\(s\) '{name}'.*residency_mode.*from_pretrained"):
+        StreamingAWQConfig(**{name: 1})
+
+
+def test_the_config_round_trips_through_its_dict():
+    config = StreamingAWQConfig(residency_mode="full_stream", keep_first_k=1, kernel="torch", head_tiles=False)
+    again = StreamingAWQConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict()
+
+
+def test_a_loaded_model_has_the_dtype_asked_of_from_pretrained(tiny_awq):
+    path = tiny_awq["qwen2"][1]
+    assert load_awq(path, residency_mode="full_resident").dtype == torch.bfloat16  # float16 checkpoint, on a CPU
+    for dtype in (torch.float32, torch.bfloat16):
+        assert load_awq(path, dtype, residency_mode="full_resident").dtype == dtype
+
+
+@pytest.mark.parametrize("device_map, cuda, expected", [
+    (None, False, torch.bfloat16), (None, True, torch.bfloat16), ("cpu", True, torch.bfloat16),
+    ({"": "cpu"}, True, torch.bfloat16), ("auto", False, torch.bfloat16), ("auto", True, torch.float16),
+    ("cuda:0", True, torch.float16), (0, True, torch.float16), ({"model": 0, "lm_head": 0}, True, torch.float16),
+])
+def test_float16_becomes_bfloat16_where_the_model_is_placed_on_a_cpu(device_map, cuda, expected, monkeypatch):
+    """By the placement, not by whether the machine has a GPU: a CPU model on a GPU machine computed in float16,
+    which no CPU int4 kernel takes (every fused path fell back to transformers' forward there)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    quantizer = StreamingAWQQuantizer(StreamingAWQConfig(), pre_quantized=True)
+    quantizer.update_device_map(device_map)
+    assert quantizer.update_dtype(torch.float16) == expected
+    assert quantizer.update_dtype(None) == (torch.bfloat16 if expected == torch.bfloat16 else None)
+    assert quantizer.update_dtype(torch.float32) == torch.float32
