@@ -229,11 +229,9 @@ def _next_positions(rows: torch.Tensor, mask, positions, cache: Cache) -> torch.
 def _position_embeddings(decoder: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, plan: Plan):
     """The ``(cos, sin)`` of each of ``plan.rotary`` as the decoder computes them (layer i takes the
     ``plan.rope[i]``-th), or None where a layer's ops do not take them."""
-    if plan.types is None:
-        embeddings = [rotary_rows(decoder, hidden, positions, None) or decoder.rotary_emb(hidden, positions)]
-    else:
-        embeddings = [rotary_rows(decoder, hidden, positions, t) or decoder.rotary_emb(hidden, positions, t)
-                      for t in plan.rotary]
+    kinds = [None] if plan.types is None else plan.rotary  # None: one rotary for every layer, called without a kind
+    embeddings = [rotary_rows(decoder, hidden, positions, t)
+                  or decoder.rotary_emb(hidden, positions, *(() if t is None else (t,))) for t in kinds]
     for (_, _, head_dim, _, _), rope in zip(plan.layers, plan.rope):
         cos, sin = embeddings[rope]
         if cos.dtype != hidden.dtype or sin.dtype != hidden.dtype or cos.shape[-1] != head_dim:
