@@ -103,4 +103,7 @@ def _device(placed: dict[str, Any] | None) -> torch.device:
     if placed is None:
         return torch.device("cpu")
     name = str(placed[""])
-    return torch.device(f"cuda:{name}" if name.isdigit() else name)
+    try:
+        return torch.device(f"cuda:{name}" if name.isdigit() else name)
+    except RuntimeError:  # accelerate's "disk" (weights loaded to the CPU to compute) is no torch device
+        return torch.device("cpu")

@@ -98,7 +98,7 @@ def test_a_loaded_model_has_the_dtype_asked_of_from_pretrained(tiny_awq):
 
 @pytest.mark.parametrize("device_map, cuda, expected", [
     (None, False, torch.bfloat16), (None, True, torch.bfloat16), ("cpu", True, torch.bfloat16),
-    ({"": "cpu"}, True, torch.bfloat16), ("auto", False, torch.bfloat16), ("auto", True, torch.float16),
+    ({"": "cpu"}, True, torch.bfloat16), ("disk", True, torch.bfloat16), ("auto", False, torch.bfloat16), ("auto", True, torch.float16),
     ("cuda:0", True, torch.float16), (0, True, torch.float16), ({"model": 0, "lm_head": 0}, True, torch.float16),
 ])
 def test_float16_becomes_bfloat16_where_the_model_is_placed_on_a_cpu(device_map, cuda, expected, monkeypatch):
