@@ -7,9 +7,12 @@ attributes: residency, staging slots, host and prefetch.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
+
+logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "kvboost_awq_streaming"
 RESIDENCY_MODES = ("full_resident", "partial_resident", "ffn_only_stream", "full_stream")
@@ -71,13 +74,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         head_tiles: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - {"quant_method"})  # quant_method: to_dict's own key, read back by from_dict
-        if unknown:
-            raise TypeError(
-                f"StreamingAWQConfig got unknown setting(s) {', '.join(map(repr, unknown))}; its settings are "
-                f"{', '.join(SETTINGS)}. dtype and device_map are from_pretrained's own arguments: "
-                "from_pretrained(path, quantization_config=StreamingAWQConfig(...), dtype=torch.bfloat16)"
-            )
+        _refuse_unknown(kwargs)
         self.quant_method = QUANT_METHOD
         self.residency_mode = residency_mode
         self.keep_first_k = keep_first_k
@@ -191,5 +188,32 @@ class StreamingAWQConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
-        values = {k: v for k, v in config_dict.items() if k != "quant_method"}
+        """As transformers reads a saved config: a setting this version does not know (one a later version wrote)
+        is dropped with a warning, where the constructor refuses it."""
+        unknown = sorted(set(config_dict) - {"quant_method", *SETTINGS})
+        if unknown:
+            logger.warning("StreamingAWQConfig: ignoring setting(s) this version does not know: %s", unknown)
+        values = {k: v for k, v in config_dict.items() if k in SETTINGS}
         return super().from_dict(values, return_unused_kwargs=return_unused_kwargs, **kwargs)
+
+
+# from_pretrained's own arguments, and AutoAWQ's names for settings of ours: the hint an unknown name gets
+_HINTS = {
+    **dict.fromkeys(("dtype", "torch_dtype", "device_map", "low_cpu_mem_usage", "attn_implementation"),
+                    "is from_pretrained's own argument: from_pretrained(path, quantization_config="
+                    "StreamingAWQConfig(...), {name}=...)"),
+    "w_bit": "is AutoAWQ's name for bits (read from the checkpoint)",
+    "q_group_size": "is AutoAWQ's name for group_size (read from the checkpoint)",
+}
+
+
+def _refuse_unknown(kwargs: dict[str, Any]) -> None:
+    """TypeError for any keyword that is not a setting; quant_method (to_dict's key) may only be ours."""
+    method = kwargs.get("quant_method", QUANT_METHOD)
+    if str(method) != QUANT_METHOD:
+        raise ValueError(f"StreamingAWQConfig's quant_method is {QUANT_METHOD!r}, got {method!r}")
+    unknown = sorted(set(kwargs) - {"quant_method"})
+    if unknown:
+        hints = "".join(f" {name!r} {_HINTS[name].format(name=name)}." for name in unknown if name in _HINTS)
+        raise TypeError(f"StreamingAWQConfig got unknown setting(s) {', '.join(map(repr, unknown))}; its settings "
+                        f"are {', '.join(SETTINGS)}.{hints}")

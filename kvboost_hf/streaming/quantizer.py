@@ -84,26 +84,37 @@ def register() -> None:
         register_quantizer(QUANT_METHOD)(StreamingAWQQuantizer)
 
 
-def _one_device(device_map: dict[str, Any] | str | None) -> dict[str, Any] | None:
-    """``device_map`` as one device for the whole model (None stays None: the CPU)."""
+def _one_device(device_map: dict[str, Any] | str | int | torch.device | None) -> dict[str, Any] | None:
+    """``device_map`` as one device for the whole model, its value as given (None stays None: the CPU)."""
     if device_map is None:
         return None
     if isinstance(device_map, dict):
-        devices = {str(d) for d in device_map.values()}
+        devices = {_device_name(d) for d in device_map.values()}
         if len(devices) != 1:
             raise ValueError(f"device_map must place the whole model on one device for AWQ streaming: {devices}")
-        return {"": devices.pop()}
+        return {"": next(iter(device_map.values()))}
     if device_map in ("auto", "balanced", "sequential"):
         return {"": "cuda:0" if torch.cuda.is_available() else "cpu"}
+    if isinstance(device_map, str) and device_map.startswith("balanced"):
+        raise ValueError(f"device_map={device_map!r} spreads a model over devices; AWQ streaming places the whole "
+                         "model on one: give 'auto', 'cpu', 'cuda:N', an int N or {'': device}")
     return {"": device_map}
 
 
-def _device(placed: dict[str, Any] | None) -> torch.device:
-    """The device of :func:`_one_device`'s map (an int is a CUDA index, as accelerate reads it)."""
-    if placed is None:
-        return torch.device("cpu")
-    name = str(placed[""])
+def _device_name(device: str | int | torch.device) -> str:
+    """A device map's value as a comparable name: an int N (or "N") is cuda:N, as accelerate reads it; "disk" and
+    other names torch does not know stay as given."""
+    name = str(device)
+    if name.isdigit():
+        return f"cuda:{name}"
     try:
-        return torch.device(f"cuda:{name}" if name.isdigit() else name)
-    except RuntimeError:  # accelerate's "disk" (weights loaded to the CPU to compute) is no torch device
-        return torch.device("cpu")
+        return str(torch.device(name))
+    except RuntimeError:
+        return name
+
+
+def _device(placed: dict[str, Any] | None) -> torch.device:
+    """Where :func:`_one_device`'s map computes: the CPU for None, "cpu", "meta" and accelerate's "disk" (weights
+    loaded to the CPU to compute); else its device."""
+    name = "cpu" if placed is None else _device_name(placed[""])
+    return torch.device("cpu" if name in ("disk", "meta") else name)
