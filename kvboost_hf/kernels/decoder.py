@@ -61,6 +61,7 @@ from kvboost_hf.models import attention
 
 logger = logging.getLogger(__name__)
 
+FALLBACKS = "kvboost_fallbacks"  # a fused decoder's attribute: the fallback reasons logged (_log_fallback)
 FRESH_LAYER = "kvboost_fresh_layer"  # a fused decoder's attribute: fuse_decoder's fresh_layer
 RESERVE = "kvboost_reserve"  # the in-place protocol's method, defined by a cache layer's own class (module docstring)
 UPDATES_LAYERS_ONLY = "kvboost_updates_layers_only"  # ... and a cache class's own method saying its update adds nothing
@@ -80,35 +81,44 @@ class KernelDecoderMixin:
                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, **kwargs):
         hidden = self._fast_loop(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs)
-        if hidden is None:
+        if isinstance(hidden, str):
+            _log_fallback(self, hidden)
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                                    use_cache=use_cache, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
 
     def _fast_loop(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs: dict):
-        """The last layer's output for a plain call, or None (before any module ran) where the call is not plain."""
-        if (input_ids is None) == (inputs_embeds is None) or cache is None or not _plain(self, kwargs):
-            return None
+        """The last layer's output for a plain call, or (before any module ran) why the call is not one."""
+        if (input_ids is None) == (inputs_embeds is None) or cache is None:
+            return "no cache, or not exactly one of input_ids and inputs_embeds"
+        if not _plain(self, kwargs):
+            return "the call or the model asks for more (outputs, training, hooks, another attention, compiling)"
         plan = held_or_new_plan(self, cache)
         if plan is None:
-            return None
+            return f"a layer or the cache ({type(cache).__name__}) is not one the fused loop reproduces"
         rows = input_ids if inputs_embeds is None else inputs_embeds
         dtype = self.embed_tokens.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
         positions = _next_positions(rows, attention_mask, position_ids, cache)
         grad = self.embed_tokens.weight.requires_grad if inputs_embeds is None else inputs_embeds.requires_grad
-        if (positions is None or rows.dim() != (2 if inputs_embeds is None else 3) or not rows.is_cpu
-                or dtype not in _DTYPES or torch.is_grad_enabled() and grad
-                or any(a.has_bias and a.bias_dtypes != {dtype} for a, *_ in plan.layers)):
-            return None
+        if positions is None:
+            return "the positions are not the cache's next ones, or the mask is not a 2-D mask of ones"
+        if rows.dim() != (2 if inputs_embeds is None else 3) or not rows.is_cpu:
+            return f"inputs of shape {tuple(rows.shape)} on {rows.device}"
+        if dtype not in _DTYPES:
+            return f"{dtype} (the fused ops take bfloat16 or float32: choose it at load, from_pretrained(dtype=...))"
+        if torch.is_grad_enabled() and grad:
+            return "gradients are enabled and the inputs require them"
+        if any(a.has_bias and a.bias_dtypes != {dtype} for a, *_ in plan.layers):
+            return f"a projection's bias is not {dtype}"
         # Checked before any module runs; what follows falls back only for an embedding or rotary module of another
         # kind than the decoder's (another output dtype or size), whose calls transformers' forward then repeats.
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if hidden.dtype != dtype or hidden.dim() != 3:
-            return None
+            return f"the embedding gives {hidden.dtype} of {hidden.dim()} dimensions"
         embeddings = _position_embeddings(self, hidden, positions, plan)
         if embeddings is None:
-            return None
+            return "the rotary module's cos/sin are not the layers' dtype and head size"
         fresh = self.__dict__.get(FRESH_LAYER)
         if fresh is not None:
             _swap_fresh_layers(cache, fresh)
@@ -141,7 +151,17 @@ class KernelDecoderMixin:
 
     def __reduce_ex__(self, protocol):
         """Copy and pickle as the decoder's own class (:func:`fuse_decoder` fuses the copy again)."""
-        return as_own_class(self, forget=(FRESH_LAYER, WITNESS_ATTR, BLOCKS_ATTR))
+        return as_own_class(self, forget=(FRESH_LAYER, FALLBACKS, WITNESS_ATTR, BLOCKS_ATTR))
+
+
+def _log_fallback(decoder: nn.Module, reason: str) -> None:
+    """Say once per decoder and reason (at DEBUG) why a forward ran transformers' loop instead of the fused one."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    seen = decoder.__dict__.setdefault(FALLBACKS, set())
+    if reason not in seen:
+        seen.add(reason)
+        logger.debug("%s ran transformers' forward, not the fused loop: %s", type(decoder).__name__, reason)
 
 
 def _plain(decoder: nn.Module, kwargs: dict) -> bool:
