@@ -166,25 +166,7 @@ class StreamingAWQConfig(QuantizationConfigMixin):
         return True
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "quant_method": self.quant_method,
-            "residency_mode": self.residency_mode,
-            "keep_first_k": self.keep_first_k,
-            "keep_last_k": self.keep_last_k,
-            "n_staging_slots": self.n_staging_slots,
-            "host": self.host,
-            "prefetch": self.prefetch,
-            "mmap_dir": self.mmap_dir,
-            "throttle_bytes_per_s": self.throttle_bytes_per_s,
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "zero_point": self.zero_point,
-            "version": self.version,
-            "modules_to_not_convert": self.modules_to_not_convert,
-            "kernel": self.kernel,
-            "huge_pages": self.huge_pages,
-            "head_tiles": self.head_tiles,
-        }
+        return {"quant_method": self.quant_method, **{name: getattr(self, name) for name in SETTINGS}}
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
