@@ -121,9 +121,10 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
 // A bf16 [N, K] weight in the tile layout (kernels.tile_layout: uint16 [NB, K / 32, 16, 16, 2], NB even, K a
 // multiple of 32; element [b, c, p, j, e] is w[16 b + j, 32 c + 2 p + e]) against bf16 x [m, K]: out[m, 16 b ..]
 // for the block pairs from b0 (even) to b1, each element one TDPBF16PS chain over K (its own numerics). `pad`
-// holds 16 x K uint16 where m > 16 is not a multiple of 16 (its last rows, zero-padded), else may be null.
+// holds 16 x K uint16 where m > 16 is not a multiple of 16 (its last rows, zero-padded), else may be null. With
+// `rounded` the results go to it as bf16 (rounded as .to(bfloat16) rounds; `out` unused), else to `out` as float.
 void bf16_tiles(const uint16_t* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t b0, int64_t b1, float* out,
-                int64_t ldo, uint16_t* pad);
+                uint16_t* rounded, int64_t ldo, uint16_t* pad);
 }
 
 // The layer ops' bf16 elementwise loops on AVX-512 (bf16_avx512.cpp), each result rounded to bf16 as

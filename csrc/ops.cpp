@@ -162,7 +162,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   return finish(out, n, x.scalar_type());
 }
 
-// The amx_bf16 path's head: bf16 x [m, K] against the weight's tile layout (kvb_amx::bf16_tiles), [m, n] float.
+// The amx_bf16 path's head: bf16 x [m, K] against the weight's tile layout (kvb_amx::bf16_tiles), [m, n] bf16 with
+// each float result rounded as .to(bfloat16) rounds.
 at::Tensor tile_linear(const at::Tensor& xb, const at::Tensor& tiles, int64_t n) {
   const int64_t m = xb.size(0), k = xb.size(1), blocks = tiles.dim() == 5 ? tiles.size(0) : 0;
   TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.device().is_cpu() && tiles.is_contiguous() &&
@@ -170,16 +171,17 @@ at::Tensor tile_linear(const at::Tensor& xb, const at::Tensor& tiles, int64_t n)
                   tiles.size(1) * 32 == k && tiles.size(2) == 16 && tiles.size(3) == 16 && tiles.size(4) == 2,
               "tiles must be the weight's contiguous bf16 tile layout [", (n + 31) / 32 * 2, ", ", k / 32,
               ", 16, 16, 2] (kernels.tile_layout), got ", tiles.scalar_type(), " ", tiles.sizes());
-  at::Tensor out = at::empty({m, 16 * blocks}, xb.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({m, 16 * blocks}, xb.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   const auto* tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr());
-  float* op = out.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const bool padded = m > 16 && m % 16 != 0;
   balanced_for(blocks / 2, chunk_of(blocks / 2, 1), [&](const auto& take) {
     uint16_t* pad = padded ? thread_scratch<uint16_t>(16 * k) : nullptr;
-    for (int64_t p0, p1; take(p0, p1);) kvb_amx::bf16_tiles(xp, m, k, tp, 2 * p0, 2 * p1, op, 16 * blocks, pad);
+    for (int64_t p0, p1; take(p0, p1);)
+      kvb_amx::bf16_tiles(xp, m, k, tp, 2 * p0, 2 * p1, nullptr, op, 16 * blocks, pad);
   });
-  return 16 * blocks == n ? out : out.narrow(1, 0, n);
+  return 16 * blocks == n ? out : out.narrow(1, 0, n).contiguous();
 }
 
 // x @ weight.T for nn.Linear's own [N, K] weight (bf16 or fp32), threads over output columns. With `tiles` (the
@@ -194,7 +196,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   if (level >= kAvx512Bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
       k % 32 == 0 && x.device().is_cpu() && x.dim() == 2 && x.size(1) == k) {
     const at::Tensor xb = x.contiguous();
-    if (tiles.has_value() && level == kAmx) return tile_linear(xb, *tiles, n).to(x.scalar_type());
+    if (tiles.has_value() && level == kAmx) return tile_linear(xb, *tiles, n);
     const int64_t m = xb.size(0);
     at::Tensor out = at::empty({m, n}, xb.options().dtype(at::kFloat));
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());

@@ -63,6 +63,28 @@ def test_tiles_keep_rows_independent_on_amx_and_are_ignored_elsewhere(shape, isa
         assert torch.equal(float_out, kernels.linear(x.float(), weight))
 
 
+@pytest.mark.parametrize("shape", [(64, 640), (33, 96), (203, 160)])
+def test_the_head_rounds_each_sum_to_bf16_as_torch_casts_it(shape, isa_paths):
+    # Small integers: every partial sum is an integer below 2**24, exact in float32 in any order, so each path's
+    # float result is the exact sum and the bf16 output must be torch's rounding of it (to nearest, ties to even:
+    # bf16 keeps 8 bits, so sums past 256 round). The amx_bf16 path rounds inside the kernel, from its tiles.
+    n, k = shape
+    gen = torch.Generator().manual_seed(n)
+    weight = torch.randint(-8, 9, (n, k), generator=gen).to(torch.bfloat16)
+    x = torch.randint(-16, 17, (40, k), generator=gen).to(torch.bfloat16)
+    x[3, 5] = float("nan")
+    want = (x.double() @ weight.double().T).float().to(torch.bfloat16)
+    assert (want.float().abs() > 256).float().mean() > 0.2  # the rounding is exercised
+    tiles = kernels.tile_layout(weight)
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        for m in (1, 9, 16, 17, 40):  # one row tile, a full one, a zero-padded last one
+            out = kernels.linear(x[:m], weight, tiles=tiles)
+            assert out.dtype == torch.bfloat16 and out.shape == (m, n) and out.is_contiguous(), (isa, m)
+            assert torch.equal(out.isnan(), want[:m].isnan()), (isa, m)
+            assert torch.equal(out.nan_to_num(0.0), want[:m].nan_to_num(0.0)), (isa, m)
+
+
 def test_a_tile_layout_of_another_shape_is_refused_on_amx(built):
     weight = bf16_weight(64, 64, seed=4)
     wrong = kernels.tile_layout(bf16_weight(64, 96, seed=4))
