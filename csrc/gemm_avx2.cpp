@@ -66,6 +66,29 @@ struct V16 {
   inline void store(float* p) const {
     _mm256_storeu_ps(p, lo);
     _mm256_storeu_ps(p + 8, hi);
+  }  // The softmax's lane operations (attention_body.inc): each lane as the scalar code computes it.
+  static inline V16 max(const V16& a, const V16& b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  inline float max_lane() const {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_max_ps(lo, hi));
+    float m = t[0];
+    for (int j = 1; j < 8; ++j) m = t[j] > m ? t[j] : m;
+    return m;
+  }
+  inline bool any_nan() const {
+    return _mm256_movemask_ps(_mm256_cmp_ps(lo, lo, _CMP_UNORD_Q)) != 0 ||
+           _mm256_movemask_ps(_mm256_cmp_ps(hi, hi, _CMP_UNORD_Q)) != 0;
+  }
+  // 2^n for integral n in [-126, 127]: (n + 127) << 23 as float bits
+  static inline V16 pow2(const V16& n) {
+    const __m256i b = _mm256_set1_epi32(127);
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n.lo), b), 23)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n.hi), b), 23))};
+  }
+  // y where x >= bound, else 0 (x NaN: 0)
+  static inline V16 where_at_least(const V16& x, float bound, const V16& y) {
+    const __m256 b = _mm256_set1_ps(bound);
+    return {_mm256_and_ps(_mm256_cmp_ps(x.lo, b, _CMP_GE_OQ), y.lo), _mm256_and_ps(_mm256_cmp_ps(x.hi, b, _CMP_GE_OQ), y.hi)};
   }
 };
 

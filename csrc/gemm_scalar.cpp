@@ -90,6 +90,37 @@ struct V16 {
   }
   inline void store(float* p) const {
     for (int j = 0; j < 16; ++j) p[j] = v[j];
+  }  // The softmax's lane operations (attention_body.inc), as its vector paths compute them.
+  static inline V16 max(const V16& a, const V16& b) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = a.v[j] > b.v[j] ? a.v[j] : b.v[j];
+    return r;
+  }
+  inline float max_lane() const {
+    float m = v[0];
+    for (int j = 1; j < 16; ++j) m = v[j] > m ? v[j] : m;
+    return m;
+  }
+  inline bool any_nan() const {
+    bool nan = false;
+    for (int j = 0; j < 16; ++j) nan = nan || v[j] != v[j];
+    return nan;
+  }
+  // 2^n for integral n in [-126, 127]: (n + 127) << 23 as float bits (lanes outside: any value, never UB)
+  static inline V16 pow2(const V16& n) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) {
+      const float c = n.v[j] >= -126.0f && n.v[j] <= 127.0f ? n.v[j] : 0.0f;
+      const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(c) + 127) << 23;
+      __builtin_memcpy(&r.v[j], &bits, sizeof bits);
+    }
+    return r;
+  }
+  // y where x >= bound, else 0 (x NaN: 0)
+  static inline V16 where_at_least(const V16& x, float bound, const V16& y) {
+    V16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = x.v[j] >= bound ? y.v[j] : 0.0f;
+    return r;
   }
 };
 

@@ -170,6 +170,39 @@ def test_heads_sharing_a_key_head_give_each_heads_bits_alone(batch, heads, kv_he
     assert alone[:, :, heads - 1].eq(0).all() and alone[:, :, 2].isfinite().all() and alone[:, :, 0].isnan().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_softmax_gives_a_score_the_same_weight_in_a_vector_of_16_and_in_the_tail(dtype, isa_paths):
+    # 17 keys: the first 16 scores are scaled and exponentiated 16 lanes at a time, the 17th alone. Key 16 repeats
+    # key j's, and value row r is one-hot at r, so out[j] and out[16] are the two weights, which must be the same
+    # bits. Scales from 0.01 to 30 walk the exponential's whole range (weights down to the 0 below e^-87).
+    gen = torch.Generator().manual_seed(7)
+    v = torch.eye(17, 32).to(dtype)[None, None]
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        for trial in range(60):
+            q = (torch.randn(1, 2, 1, 32, generator=gen) * 10.0 ** (trial % 6 / 2.0 - 1.0)).to(dtype)
+            k = torch.randn(1, 1, 17, 32, generator=gen).to(dtype)
+            j = trial % 16
+            k[0, 0, 16] = k[0, 0, j]
+            out = ops.attention(q, k, v, scale=0.5)
+            assert torch.equal(out[0, 0, :, j], out[0, 0, :, 16]), (isa, trial)
+            assert out.float().sum(-1).gt(0.99).all()  # every row's weights sum to ~1
+
+
+@pytest.mark.parametrize("rows, keys", [(1, 15), (1, 16), (1, 200), (9, 209), (16, 33)])
+def test_a_mask_that_hides_nothing_changes_no_bit(rows, keys, isa_paths):
+    # No mask: the scores are scaled and their maximum found 16 lanes at a time; a mask takes a loop over the keys.
+    q, k, v = tensors(1, 4, 1, rows, keys, 64, torch.bfloat16, seed=keys)
+    q[0, 1, 0, :] *= 40.0  # a head whose largest weight dwarfs the rest
+    everything = torch.ones(1, 1, rows, keys, dtype=torch.bool)
+    for isa in isa_paths:
+        kernels.select_isa(isa)
+        for causal in (True, False):
+            plain = ops.attention(q, k, v, causal=causal)
+            assert torch.equal(plain, ops.attention(q, k, v, everything, causal=causal)), (isa, causal)
+            assert torch.equal(plain, ops.attention(q, k, v, torch.zeros(1, 1, rows, keys), causal=causal))
+
+
 def test_no_query_heads_give_an_empty_result(built):
     q, k, v = tensors(1, 0, 1, 1, 5, 16)
     assert ops.attention(q, k, v, scale=0.125).shape == (1, 1, 0, 16)
