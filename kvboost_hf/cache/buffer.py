@@ -5,13 +5,21 @@ token's cost grows with the context (Gemma-3-270M's 18 layers at 700 tokens copy
 its int4 self-draft's token measured 9.96 ms concatenating, 9.50 ms appending in place, on CPU). A
 :class:`KVBuffer` appends into spare capacity instead and hands out views.
 
-The rule that keeps this exact: an append writes only past every position ever handed out, into a
+The rule that keeps this exact: an append writes only where no view still alive can see, into a
 buffer whose held view the layer still holds. A layer whose tensors were replaced since its last
-append (a crop, a load of stored K/V, a beam reorder) is first copied into a fresh buffer, so a view
-handed out earlier (to attention, to a caller) never sees a later write.
+append (a load of stored K/V, a beam reorder) is first copied into a fresh buffer, so a view handed
+out earlier (to attention, to a caller) never sees a later write. A crop (assisted decoding drops the
+rejected candidates' rows every round) keeps the buffer where the cropped views are a range of its live
+rows and nothing else holds a view of it (the storage's use count says so): the next append then writes
+over the dropped rows, which no one can read any more. Where something still holds a view (a caller's
+saved ``layer.keys``), the crop is copied into a fresh buffer at the next append, as before (a refill
+copied the whole history each round: ~4 ms a round of a head draft on a 700-token Gemma-3-270M request,
+and it sent that round's first forward down the decoder's slower per-layer path).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers import DynamicCache
@@ -69,6 +77,25 @@ class KVBuffer:
         :meth:`keep_last` then hands out the views."""
         self.end += rows
 
+    def cropped(self, keys: torch.Tensor | None, values: torch.Tensor | None):
+        """The layer's views after a crop of the views :meth:`live` last handed out: where ``keys``/``values`` are
+        one range of the live rows of both buffers and no other view of them is alive, that range becomes the live
+        rows (later appends write after it, in place) and its views are returned; else ``(keys, values)`` as they
+        are (the next append refills)."""
+        held = self.held
+        if (held is None or not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor)
+                or (keys is held[0] and values is held[1])):  # (nothing cropped: the buffer is still open)
+            return keys, values
+        span = _rows_of(self.keys, keys, self.start, self.end)
+        if span is None or span != _rows_of(self.values, values, self.start, self.end):
+            return keys, values
+        # No one holds the views handed out (the layer dropped them), nor any other view of the buffers.
+        if not (_held_only_by(held, 0) and _held_only_by(held, 1) and _only_views(self.keys, held[0], keys)
+                and _only_views(self.values, held[1], values)):
+            return keys, values
+        self.start, self.end = span
+        return self.live()
+
     def _extends(self, keys, values, new_keys: torch.Tensor, new_values: torch.Tensor) -> bool:
         return (self._open(keys, values, new_keys.shape[-2])
                 and _fits(self.keys, new_keys.shape, new_keys.dtype, new_keys.device)
@@ -116,6 +143,37 @@ def _concatenated(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     return new if held is None or held.dim() != 4 or held.shape[-2] == 0 else torch.cat([held, new], dim=-2)
 
 
+def _rows_of(buffer: torch.Tensor, view: torch.Tensor, start: int, end: int) -> tuple[int, int] | None:
+    """``(first, last)`` where ``view`` is ``buffer[..., first:last, :]`` with ``start <= first <= last <= end``,
+    else None."""
+    if (view.dim() != 4 or view.dtype != buffer.dtype or view.device != buffer.device
+            or view.shape[:2] != buffer.shape[:2] or view.shape[-1] != buffer.shape[-1]
+            or view.stride() != buffer.stride()
+            or view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()):
+        return None
+    offset, row = view.storage_offset() - buffer.storage_offset(), buffer.stride(2)
+    if offset % row:
+        return None
+    first = offset // row
+    last = first + view.shape[-2]
+    return (first, last) if start <= first <= last <= end else None
+
+
+_ALONE = (object(),)  # an object only a tuple refers to: the reference count _held_only_by expects
+
+
+def _held_only_by(pair: tuple, index: int) -> bool:
+    """Whether ``pair[index]`` has no referrer but ``pair``."""
+    return sys.getrefcount(pair[index]) <= sys.getrefcount(_ALONE[0])
+
+
+def _only_views(buffer: torch.Tensor, *views: torch.Tensor) -> bool:
+    """Whether the tensors alive on ``buffer``'s memory are ``buffer`` and ``views``, no other (a use of the storage
+    per tensor, and one for the storage object asked)."""
+    expected = 1 + len({id(t) for t in (buffer, *views)})
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == expected
+
+
 def _fits(buffer: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether states of ``shape``, ``dtype`` and ``device`` can be written into ``buffer`` as they are."""
     return (buffer.dtype == dtype and buffer.device == device and buffer.shape[:2] == shape[:2]
@@ -141,6 +199,10 @@ class BufferedLayer(DynamicLayer):
         return self.keys, self.values
 
     kvboost_update = update  # the update the in-place protocol below mirrors (kernels.decoder)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.keys, self.values = self.buffer.cropped(self.keys, self.values)
 
     def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
         """Where a fused int4 decoder may write a forward's new states itself (``kernels.decoder``'s in-place
@@ -189,6 +251,10 @@ class BufferedSlidingLayer(DynamicSlidingWindowLayer):
         return keys[:, :, -visible:, :], values[:, :, -visible:, :]
 
     kvboost_update = update  # the update the in-place protocol below mirrors (kernels.decoder)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.keys, self.values = self.buffer.cropped(self.keys, self.values)
 
     def kvboost_reserve(self, shape: tuple, dtype: torch.dtype):
         """As :meth:`BufferedLayer.kvboost_reserve`; the first key is the first update() returns (recording the past:

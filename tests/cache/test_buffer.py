@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvboost_hf import ChunkStore, ControllerSettings, disable_chunk_reuse, enable_chunk_reuse, make_draft
 from kvboost_hf.cache import BufferedCache
@@ -139,6 +139,45 @@ def test_a_recording_sliding_layer_crops_and_appends_as_transformers_does():
         plain.crop(-rejected)
         assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values), seed
     assert all(torch.equal(a, b) for got, before in seen for a, b in zip(got, before))  # what forwards saw stays
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_a_crop_that_no_one_else_sees_keeps_the_buffer_and_appends_over_the_dropped_rows(kind):
+    """Assisted decoding's rounds: forward the candidates, crop the rejected, go on; no view is kept by anyone."""
+    layer = BufferedLayer() if kind == "full" else BufferedSlidingLayer(sliding_window=6)
+    plain = DynamicLayer() if kind == "full" else DynamicSlidingWindowLayer(sliding_window=6)
+    if kind == "sliding":
+        layer.activate_past_recording()
+        plain.activate_past_recording()
+    buffers = []
+    for seed, (n, rejected) in enumerate([(9, 0), (4, 2), (3, 0), (5, 4), (1, 0), (6, 3), (2, 1), (1, 0)] * 3):
+        k, v = states(n, seed)
+        got, want = layer.update(k, v), plain.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
+        del got
+        layer.crop(-rejected)
+        plain.crop(-rejected)
+        assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values), seed
+        buffers.append(layer.buffer.keys)
+    # the prefill's exact buffer, then one with spare room that every later round appends into
+    assert len({b.data_ptr() for b in buffers}) == 2 and buffers[-1] is buffers[2]
+
+
+@pytest.mark.parametrize("held", ["view", "view of a view", "values only"])
+def test_a_view_still_held_across_a_crop_never_sees_a_later_append(held):
+    layer = BufferedLayer()
+    layer.update(*states(9, 0))
+    layer.update(*states(2, 1))
+    kept = {"view": lambda: layer.keys, "view of a view": lambda: layer.keys[..., 5:, :],
+            "values only": lambda: layer.values}[held]()
+    before = kept.clone()
+    buffer = layer.buffer.keys
+    layer.crop(-2)
+    layer.update(*states(3, 2))
+    assert torch.equal(kept, before)  # the dropped rows it shows were not written over
+    assert layer.buffer.keys is not buffer  # the crop went to a fresh buffer instead
+    want = torch.cat([torch.cat([states(9, 0)[0], states(2, 1)[0]], dim=-2)[..., :9, :], states(3, 2)[0]], dim=-2)
+    assert torch.equal(layer.keys, want)
 
 
 def test_a_cache_filled_under_inference_mode_continues_outside_it():
