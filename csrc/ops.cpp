@@ -295,6 +295,10 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("host_isa_level() -> int", &get_host_level);
   m.def("set_vbmi(bool allowed) -> bool", &set_vbmi);
   m.def("int4_numerics_version() -> int", [] { return KVB_INT4_NUMERICS_VERSION; });
+  // How many tensors share t's memory, any device (c10's use count of its storage): kvboost_hf.cache.buffer reuses a
+  // KV buffer's rows after a crop only where no other view of them is alive.
+  m.def("storage_users(Tensor t) -> int",
+        [](const at::Tensor& t) { return static_cast<int64_t>(t.storage().use_count()); });
   m.def("amx_fingerprint() -> int", [] {
     static const int64_t fingerprint = kvb_amx::fingerprint();
     return fingerprint;

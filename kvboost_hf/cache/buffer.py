@@ -146,13 +146,13 @@ def _concatenated(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 def _rows_of(buffer: torch.Tensor, view: torch.Tensor, start: int, end: int) -> tuple[int, int] | None:
     """``(first, last)`` where ``view`` is ``buffer[..., first:last, :]`` with ``start <= first <= last <= end``,
     else None."""
+    # (addresses, not untyped_storage(): asking for the storage object keeps one alive, a use _only_views counts)
     if (view.dim() != 4 or view.dtype != buffer.dtype or view.device != buffer.device
             or view.shape[:2] != buffer.shape[:2] or view.shape[-1] != buffer.shape[-1]
-            or view.stride() != buffer.stride()
-            or view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()):
+            or view.stride() != buffer.stride()):
         return None
-    offset, row = view.storage_offset() - buffer.storage_offset(), buffer.stride(2)
-    if offset % row:
+    offset, row = view.data_ptr() - buffer.data_ptr(), buffer.stride(2) * buffer.element_size()
+    if offset < 0 or offset % row:
         return None
     first = offset // row
     last = first + view.shape[-2]
@@ -168,10 +168,12 @@ def _held_only_by(pair: tuple, index: int) -> bool:
 
 
 def _only_views(buffer: torch.Tensor, *views: torch.Tensor) -> bool:
-    """Whether the tensors alive on ``buffer``'s memory are ``buffer`` and ``views``, no other (a use of the storage
-    per tensor, and one for the storage object asked)."""
-    expected = 1 + len({id(t) for t in (buffer, *views)})
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == expected
+    """Whether the tensors alive on ``buffer``'s memory are ``buffer`` and ``views``, no other. The count comes from
+    the kernels' ``storage_users`` op (c10's public use count; torch's Python API has none), and only where a model
+    on them loaded it already (looked up, never imported or built here): elsewhere a crop copies as before."""
+    ops = sys.modules.get("kvboost_hf.kernels.ops")
+    users = None if ops is None else ops.storage_users(buffer)
+    return users is not None and users == len({id(t) for t in (buffer, *views)})
 
 
 def _fits(buffer: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:

@@ -52,6 +52,12 @@ def default_isa() -> str:
     return _TORCH_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), "scalar")
 
 
+def storage_users(tensor: torch.Tensor) -> int | None:
+    """How many tensors share ``tensor``'s memory, on any device (c10's use count of its storage), or None where the
+    ops are not loaded in this process yet (this never builds or loads them)."""
+    return int(torch.ops.kvboost.storage_users(tensor)) if _registered else None
+
+
 def select_isa(name: str | None) -> str:
     """Run the kernels on ``name``'s path (``None``: :func:`default_isa`), lowered to what this CPU has;
     returns the path in effect. The scalar, AVX2 and AVX-512 paths give the same bits; avx512_bf16

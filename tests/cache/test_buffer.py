@@ -141,8 +141,17 @@ def test_a_recording_sliding_layer_crops_and_appends_as_transformers_does():
     assert all(torch.equal(a, b) for got, before in seen for a, b in zip(got, before))  # what forwards saw stays
 
 
+@pytest.fixture(scope="module")
+def kernels_loaded():
+    """The kernels' ops loaded in this process, as an int4 model loads them: crops count a buffer's views with them."""
+    from kvboost_hf import kernels
+
+    status = kernels.available()
+    assert status.built, f"the kernels must build in CI: {status.reason}"
+
+
 @pytest.mark.parametrize("kind", ["full", "sliding"])
-def test_a_crop_that_no_one_else_sees_keeps_the_buffer_and_appends_over_the_dropped_rows(kind):
+def test_a_crop_that_no_one_else_sees_keeps_the_buffer_and_appends_over_the_dropped_rows(kind, kernels_loaded):
     """Assisted decoding's rounds: forward the candidates, crop the rejected, go on; no view is kept by anyone."""
     layer = BufferedLayer() if kind == "full" else BufferedSlidingLayer(sliding_window=6)
     plain = DynamicLayer() if kind == "full" else DynamicSlidingWindowLayer(sliding_window=6)
@@ -163,8 +172,33 @@ def test_a_crop_that_no_one_else_sees_keeps_the_buffer_and_appends_over_the_drop
     assert len({b.data_ptr() for b in buffers}) == 2 and buffers[-1] is buffers[2]
 
 
+def test_without_the_kernels_loaded_a_crop_copies_into_a_fresh_buffer(kernels_loaded, monkeypatch):
+    from kvboost_hf.kernels import ops
+
+    monkeypatch.setattr(ops, "_registered", False)  # as in a process where no model loaded them
+    assert ops.storage_users(torch.zeros(1)) is None
+    layer = BufferedLayer()
+    layer.update(*states(9, 0))
+    layer.update(*states(2, 1))
+    buffer = layer.buffer.keys
+    layer.crop(-2)
+    layer.update(*states(3, 2))
+    assert layer.buffer.keys is not buffer
+
+
+def test_the_storage_use_count_counts_every_view_on_any_tensor(kernels_loaded):
+    from kvboost_hf.kernels import ops
+
+    base = torch.zeros(2, 3, 4)
+    assert ops.storage_users(base) == 1
+    view, other = base[0], base.view(-1)[2:]
+    assert ops.storage_users(base) == ops.storage_users(view) == 3
+    del view, other
+    assert ops.storage_users(base) == 1 and ops.storage_users(torch.zeros(0)) >= 1
+
+
 @pytest.mark.parametrize("held", ["view", "view of a view", "values only"])
-def test_a_view_still_held_across_a_crop_never_sees_a_later_append(held):
+def test_a_view_still_held_across_a_crop_never_sees_a_later_append(held, kernels_loaded):
     layer = BufferedLayer()
     layer.update(*states(9, 0))
     layer.update(*states(2, 1))
