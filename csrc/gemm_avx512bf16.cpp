@@ -181,17 +181,22 @@ inline void rows_pass(const uint16_t* x, int64_t rows, int64_t k, const uint16_t
 }  // namespace
 
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
-               int64_t ldo) {
+               uint16_t* rounded, int64_t ldo) {
+  float chunk[9 * 32];  // with `rounded`: a pass's sums, rounded into it once its 32 columns are done
   for (int64_t c0 = n0; c0 < n1; c0 += 32) {
     const int64_t c1 = c0 + 32 < n1 ? c0 + 32 : n1;
     for (int64_t r0 = 0; r0 < m; r0 += 9) {
       const int64_t rows = m - r0 < 9 ? m - r0 : 9;
       const uint16_t* xr = x + r0 * k;
-      float* o = out + r0 * ldo;
+      float* o = rounded != nullptr ? chunk : out + r0 * ldo + c0;  // column n at o[n - c0]
+      const int64_t ld = rounded != nullptr ? 32 : ldo;
       int64_t n = c0;
       if (rows >= kPairRows)
-        for (; n + 2 <= c1; n += 2) rows_pass<2>(xr, rows, k, w + n * k, o + n, ldo);
-      for (; n < c1; ++n) rows_pass<1>(xr, rows, k, w + n * k, o + n, ldo);
+        for (; n + 2 <= c1; n += 2) rows_pass<2>(xr, rows, k, w + n * k, o + (n - c0), ld);
+      for (; n < c1; ++n) rows_pass<1>(xr, rows, k, w + n * k, o + (n - c0), ld);
+      if (rounded != nullptr)
+        for (int64_t r = 0; r < rows; ++r)
+          kvb_avx512::round_to_bf16(chunk + r * 32, c1 - c0, rounded + (r0 + r) * ldo + c0);
     }
   }
 }

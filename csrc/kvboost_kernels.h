@@ -102,9 +102,10 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip,
                  bool vbmi);
 // Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations: 16 lanes of k-pairs, then
-// the fixed tree.
+// the fixed tree. With `rounded` the results go to it as bf16 (rounded as .to(bfloat16) rounds, NaN as 0x7FC0;
+// `out` unused), else to `out` as float.
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
-               int64_t ldo);
+               uint16_t* rounded, int64_t ldo);
 }
 
 // The AMX path (gemm_amx.cpp): int4 weights with bf16 activations on tiles, group sizes a multiple of 32,

@@ -198,14 +198,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     const at::Tensor xb = x.contiguous();
     if (tiles.has_value() && level == kAmx) return tile_linear(xb, *tiles, n);
     const int64_t m = xb.size(0);
-    at::Tensor out = at::empty({m, n}, xb.options().dtype(at::kFloat));
+    at::Tensor out = at::empty({m, n}, xb.options());  // bf16: each sum rounded in the kernel (see tile_linear)
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-    float* op = out.data_ptr<float>();
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
-      for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, op, n);
+      for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, nullptr, op, n);
     });
-    return out.to(x.scalar_type());
+    return out;
   }
   const at::Tensor xf = rows_f32(x, k);
   const int64_t m = xf.size(0);
