@@ -57,7 +57,7 @@ class KVBuffer:
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The live keys and values, as the views the layer is expected to hold."""
         self.held = (self.keys[..., self.start : self.end, :], self.values[..., self.start : self.end, :])
-        return self.held
+        return self.held[0], self.held[1]  # a tuple of the caller's own: one kept refers to the views (cropped)
 
     def keep_last(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the last ``count`` live tokens stay live (a sliding window); earlier ones are never written again.
@@ -81,9 +81,11 @@ class KVBuffer:
         """The layer's views after a crop of the views :meth:`live` last handed out: where ``keys``/``values`` are
         one range of the live rows of both buffers and no other view of them is alive, that range becomes the live
         rows (later appends write after it, in place) and its views are returned; else ``(keys, values)`` as they
-        are (the next append refills)."""
+        are (the next append refills). The buffers themselves are not handed out as views are: one who holds them
+        (``keys._base``, :meth:`BufferedLayer.kvboost_reserve`'s) sees every append, into their spare rows too."""
         held = self.held
-        if (held is None or not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor)
+        if (not _COUNTS_EVERY_HOLDER or held is None or not isinstance(keys, torch.Tensor)
+                or not isinstance(values, torch.Tensor)
                 or (keys is held[0] and values is held[1])):  # (nothing cropped: the buffer is still open)
             return keys, values
         span = _rows_of(self.keys, keys, self.start, self.end)
@@ -160,6 +162,10 @@ def _rows_of(buffer: torch.Tensor, view: torch.Tensor, start: int, end: int) -> 
 
 
 _ALONE = (object(),)  # an object only a tuple refers to: the reference count _held_only_by expects
+# A reference held in C++ (a DLPack capsule, a tensor made from one) shows in the view's Python reference count on the
+# torch this was tested on (2.13: PyObject preservation reworked in 2.10); older versions may miss such a holder, so
+# crops there copy as before.
+_COUNTS_EVERY_HOLDER = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def _held_only_by(pair: tuple, index: int) -> bool:

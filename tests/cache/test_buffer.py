@@ -172,6 +172,16 @@ def test_a_crop_that_no_one_else_sees_keeps_the_buffer_and_appends_over_the_drop
     assert len({b.data_ptr() for b in buffers}) == 2 and buffers[-1] is buffers[2]
 
 
+def test_the_pair_an_append_returns_holds_its_views_across_a_crop(kernels_loaded):
+    buffer = KVBuffer()
+    kept = buffer.append(None, None, *states(9, 0))
+    kept = buffer.append(*kept, *states(2, 1))
+    before = [t.clone() for t in kept]
+    keys, values = buffer.cropped(kept[0][..., :9, :], kept[1][..., :9, :])
+    buffer.append(keys, values, *states(2, 2))
+    assert all(torch.equal(a, b) for a, b in zip(kept, before))
+
+
 def test_without_the_kernels_loaded_a_crop_copies_into_a_fresh_buffer(kernels_loaded, monkeypatch):
     from kvboost_hf.kernels import ops
 
@@ -197,13 +207,14 @@ def test_the_storage_use_count_counts_every_view_on_any_tensor(kernels_loaded):
     assert ops.storage_users(base) == 1 and ops.storage_users(torch.zeros(0)) >= 1
 
 
-@pytest.mark.parametrize("held", ["view", "view of a view", "values only"])
+@pytest.mark.parametrize("held", ["view", "view of a view", "values only", "dlpack", "numpy"])
 def test_a_view_still_held_across_a_crop_never_sees_a_later_append(held, kernels_loaded):
     layer = BufferedLayer()
     layer.update(*states(9, 0))
     layer.update(*states(2, 1))
     kept = {"view": lambda: layer.keys, "view of a view": lambda: layer.keys[..., 5:, :],
-            "values only": lambda: layer.values}[held]()
+            "values only": lambda: layer.values, "dlpack": lambda: torch.from_dlpack(layer.keys),
+            "numpy": lambda: torch.from_numpy(layer.keys.numpy())}[held]()
     before = kept.clone()
     buffer = layer.buffer.keys
     layer.crop(-2)
