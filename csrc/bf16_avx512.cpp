@@ -13,14 +13,7 @@ namespace {
 
 inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-inline __m256i round_bf16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7FFF));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
+#include "bf16_round.inc"
 
 inline __m256i load_bf16(const uint16_t* p, __mmask16 m) { return _mm256_maskz_loadu_epi16(m, p); }
 inline void store_bf16(uint16_t* p, __m256i v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, v); }
