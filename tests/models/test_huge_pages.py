@@ -51,9 +51,12 @@ def test_a_tensor_is_collapsed_in_place_or_told_why():
         assert anon_huge_bytes(address + 12 * MB) >= report.collapsed * HUGE_PAGE
     else:
         assert report.collapsed == 0 and report.bytes == 0
-    # Asked again: the frames are huge already, nothing changes.
+    # Asked again: the frames made huge stay huge (a frame whose collapse failed the first time, as MADV_COLLAPSE may
+    # when the kernel finds no free huge page at that moment, may succeed now: seen once in a fresh-clone run, 11
+    # then 12), and nothing moves or changes.
     again = back_with_huge_pages([weight])
-    assert again.collapsed == report.collapsed and torch.equal(weight, before)
+    assert again.collapsed >= report.collapsed and again.frames == report.frames
+    assert weight.data_ptr() == address and torch.equal(weight, before)
 
 
 def test_turned_off_by_the_environment(monkeypatch):
