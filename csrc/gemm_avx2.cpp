@@ -66,7 +66,8 @@ struct V16 {
   inline void store(float* p) const {
     _mm256_storeu_ps(p, lo);
     _mm256_storeu_ps(p + 8, hi);
-  }  // The softmax's lane operations (attention_body.inc): each lane as the scalar code computes it.
+  }
+  // The softmax's lane operations (attention_body.inc): each lane as the scalar code computes it.
   static inline V16 max(const V16& a, const V16& b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
   inline float max_lane() const {
     alignas(32) float t[8];
@@ -88,7 +89,8 @@ struct V16 {
   // y where x >= bound, else 0 (x NaN: 0)
   static inline V16 where_at_least(const V16& x, float bound, const V16& y) {
     const __m256 b = _mm256_set1_ps(bound);
-    return {_mm256_and_ps(_mm256_cmp_ps(x.lo, b, _CMP_GE_OQ), y.lo), _mm256_and_ps(_mm256_cmp_ps(x.hi, b, _CMP_GE_OQ), y.hi)};
+    return {_mm256_and_ps(_mm256_cmp_ps(x.lo, b, _CMP_GE_OQ), y.lo),
+            _mm256_and_ps(_mm256_cmp_ps(x.hi, b, _CMP_GE_OQ), y.hi)};
   }
 };
 

@@ -45,13 +45,15 @@ struct V16 {
   static inline V16 mul(const V16& a, const V16& b) { return {_mm512_mul_ps(a.v, b.v)}; }
   static inline V16 add(const V16& a, const V16& b) { return {_mm512_add_ps(a.v, b.v)}; }
   static inline V16 sub(const V16& a, const V16& b) { return {_mm512_sub_ps(a.v, b.v)}; }
-  inline void store(float* p) const { _mm512_storeu_ps(p, v); }  // The softmax's lane operations (attention_body.inc): each lane as the scalar code computes it.
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+  // The softmax's lane operations (attention_body.inc): each lane as the scalar code computes it.
   static inline V16 max(const V16& a, const V16& b) { return {_mm512_max_ps(a.v, b.v)}; }
   inline float max_lane() const { return _mm512_reduce_max_ps(v); }
   inline bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
   // 2^n for integral n in [-126, 127]: (n + 127) << 23 as float bits
   static inline V16 pow2(const V16& n) {
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+    const __m512i biased = _mm512_add_epi32(_mm512_cvttps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(biased, 23))};
   }
   // y where x >= bound, else 0 (x NaN: 0)
   static inline V16 where_at_least(const V16& x, float bound, const V16& y) {

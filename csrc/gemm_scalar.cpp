@@ -90,7 +90,8 @@ struct V16 {
   }
   inline void store(float* p) const {
     for (int j = 0; j < 16; ++j) p[j] = v[j];
-  }  // The softmax's lane operations (attention_body.inc), as its vector paths compute them.
+  }
+  // The softmax's lane operations (attention_body.inc), as its vector paths compute them.
   static inline V16 max(const V16& a, const V16& b) {
     V16 r;
     for (int j = 0; j < 16; ++j) r.v[j] = a.v[j] > b.v[j] ? a.v[j] : b.v[j];
