@@ -90,7 +90,7 @@ KVB_DECLARE_ISA(kvb_avx2)
 KVB_DECLARE_ISA(kvb_avx512)
 
 // The AVX-512 BF16 path: bf16 activations (bits as uint16), its own numerics (gemm_avx512bf16.cpp);
-// `strip` holds strip_words(m, k, vbmi) uint32 (a block's K x 16 codes as bf16 pairs, or none where
+// `strip` holds strip_words(m, k, vbmi) uint32 (four blocks' K x 16 codes as bf16 pairs, or none where
 // the rows are few enough to decode the codes in registers).
 namespace kvb_avx512bf16 {
 // `vbmi`: decode the int4 codes with AVX-512 VBMI (only where the CPU has it and the group size is a multiple of

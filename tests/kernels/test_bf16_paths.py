@@ -82,6 +82,51 @@ def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built
         kernels.set_vbmi(True)
 
 
+def order_traps(m: int, k: int, group: int, seed: int) -> torch.Tensor:
+    """bf16 activations whose pair sums show their order at any precision: per row and group, 2^e at the odd k of
+    one pair with 2^(e-24) beside it (absorbed: a tie, to even) and -2^e at the odd k of a later pair, zeros
+    elsewhere. In the defined order (pairs in order, the odd element first) such a chain ends at 0; with the
+    pairs in another order, or the small term first, it ends at 2^(e-24)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.zeros(m, k)
+    for r in range(m):
+        for g0 in range(0, k, group):
+            p1, p2 = sorted(torch.randperm(group // 2, generator=gen)[:2].tolist())
+            e = int(torch.randint(24, 28, (1,), generator=gen))
+            sign = float(torch.randint(0, 2, (1,), generator=gen)) * 2 - 1
+            x[r, g0 + 2 * p1 + 1], x[r, g0 + 2 * p1], x[r, g0 + 2 * p2 + 1] = sign * 2.0**e, sign * 2.0 ** (e - 24), -sign * 2.0**e
+    return x.to(torch.bfloat16)
+
+
+def test_the_avx512_bf16_int4_chains_run_in_the_defined_order(built):
+    """The random test above compares bf16 outputs, where a float32 sum in another order nearly always rounds the
+    same; here the order shows. Codes 1 (so each chain is the activations' own), random scales and zeros, 5 blocks
+    (a run of 4 and one alone), every row count's kernel (registers, strips; VBMI or not) and one thread."""
+    if not has_path(built, "avx512_bf16"):
+        return  # no such path here: its fallback is the test above's
+    k, group, n = 256, 64, 72
+    codes = torch.ones(n, k, dtype=torch.long)
+    gen = torch.Generator().manual_seed(3)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16).float()
+    blocks = kernels.pack_int4(codes, zeros, scales, group)
+    x = order_traps(70, k, group, seed=4)
+    want = emulated_bf16_path(x, blocks).to(torch.bfloat16)
+    backwards = emulated_bf16_path(x.flip(1), kernels.pack_int4(codes, zeros.flip(0), scales.flip(0), group))
+    assert (backwards.to(torch.bfloat16) != want).float().mean() > 0.9  # the traps do show another order
+    try:
+        kernels.select_isa("avx512_bf16")
+        for vbmi in (True, False):
+            kernels.set_vbmi(vbmi)
+            for m in (*range(1, 14), 16, 17, 64, 70):
+                assert torch.equal(kernels.int4_linear(x[:m], blocks).view(torch.int16), want[:m].view(torch.int16)), (vbmi, m)
+        with torch_threads(1):
+            assert torch.equal(kernels.int4_linear(x, blocks).view(torch.int16), want.view(torch.int16))
+    finally:
+        kernels.select_isa(None)
+        kernels.set_vbmi(True)
+
+
 def emulated_bf16_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The avx512_bf16 path for a row-major bf16 weight and bf16 activations, written in torch: lane j
     of chunk c takes k = 32c + 2j + 1 then 32c + 2j (exact products, one rounding per sum), then the
