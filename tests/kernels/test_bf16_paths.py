@@ -100,11 +100,12 @@ def order_traps(m: int, k: int, group: int, seed: int) -> torch.Tensor:
 
 def test_the_avx512_bf16_int4_chains_run_in_the_defined_order(built):
     """The random test above compares bf16 outputs, where a float32 sum in another order nearly always rounds the
-    same; here the order shows. Codes 1 (so each chain is the activations' own), random scales and zeros, 5 blocks
-    (a run of 4 and one alone), every row count's kernel (registers, strips; VBMI or not) and one thread."""
+    same; here the order shows. Codes 1 (so each chain is the activations' own), random scales and zeros, 7 blocks
+    (a run of 4 and 3 left: a pair and one alone), every row count's kernel (registers, strips; VBMI or not) and one
+    thread."""
     if not has_path(built, "avx512_bf16"):
         return  # no such path here: its fallback is the test above's
-    k, group, n = 256, 64, 72
+    k, group, n = 256, 64, 104
     codes = torch.ones(n, k, dtype=torch.long)
     gen = torch.Generator().manual_seed(3)
     zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
