@@ -168,6 +168,11 @@ constexpr int kPairRows = 4;
 // Into L1 8 weight rows ahead here, not KVB_NK_AHEAD_L1's 4: the 262k x 640 head at 9 rows on Zen 5, alternated in
 // one process (10 rounds): 1.057x (12 ahead 1.049x; 2 or 4 ahead into L1 with 8-64 into L2 0.95-1.04x).
 constexpr int64_t kL1Ahead = 8;
+// One-row passes (a decode step's head) fetch the weight rows 4 ahead as non-temporal: the 335 MB head then
+// leaves more of the L3 to what the next decoder call reads (its int4 weights, the interpreter's objects). On Zen 5
+// (32 MB L3), alternated in one process, the head itself 1.00-1.06x, the decoder call after it 1.06-1.11x, the
+// decode step 1.03-1.05x (two runs of 10-12 rounds); 2, 8 and 16 ahead about the same, 1 ahead no gain.
+constexpr int64_t kNtaAhead = 4;
 
 inline float tree(__m512 v) {
   const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -184,6 +189,7 @@ inline void tile_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t*
   for (int64_t i = 0; i < k; i += 32) {
     __m512bh wv[NW];
     for (int c = 0; c < NW; ++c) {
+      if (NW == 1) _mm_prefetch(reinterpret_cast<const char*>(w + kNtaAhead * k + i), _MM_HINT_NTA);
       if (NW > 1) {
         _mm_prefetch(reinterpret_cast<const char*>(w + (KVB_NK_AHEAD_L2 + c) * k + i), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(w + (kL1Ahead + c) * k + i), _MM_HINT_T0);
