@@ -170,8 +170,10 @@ constexpr int kPairRows = 4;
 constexpr int64_t kL1Ahead = 8;
 // One-row passes (a decode step's head) fetch the weight rows 4 ahead as non-temporal: the 335 MB head then
 // leaves more of the L3 to what the next decoder call reads (its int4 weights, the interpreter's objects). On Zen 5
-// (32 MB L3), alternated in one process, the head itself 1.00-1.06x, the decoder call after it 1.06-1.11x, the
-// decode step 1.03-1.05x (two runs of 10-12 rounds); 2, 8 and 16 ahead about the same, 1 ahead no gain.
+// (32 MB L3), alternated in one process, three runs of 10-12 rounds: the head itself 1.00-1.06x, the decoder call
+// after it 1.03-1.11x, the decode step 1.03-1.05x; 2, 8 and 16 ahead about the same, 1 ahead no gain. (The same for
+// the two-row passes, 8 ahead non-temporal only: 1.08x on a verification then a step in one run, 0.97-0.99x in
+// another; not kept.)
 constexpr int64_t kNtaAhead = 4;
 
 inline float tree(__m512 v) {
