@@ -167,6 +167,37 @@ def test_the_avx512_bf16_row_major_path_is_its_definition(built):
         kernels.select_isa(None)
 
 
+def test_the_row_major_bf16_chunks_run_in_the_defined_order(built):
+    """The lane trees' test above puts its values in different lanes; here they share one, in different chunks:
+    2^e at the odd k of lane j in one chunk, 2^(e-24) beside it (absorbed: a tie, to even), -2^e at the odd k of
+    lane j in a later chunk. In the defined order (chunks in order, the odd k first) the lane ends at 0; with the
+    chunks in another order it ends at 2^(e-24). Every row count: passes of one and of two weight rows."""
+    if not has_path(built, "avx512_bf16"):
+        return  # the fp32 paths' order is checked in test_gemm
+    gen = torch.Generator().manual_seed(9)
+    k, rows = 128, 30
+    x = torch.zeros(rows, k)
+    for r in range(rows):
+        lane = int(torch.randint(0, 16, (1,), generator=gen))
+        c1, c2 = sorted(torch.randperm(k // 32, generator=gen)[:2].tolist())
+        e = int(torch.randint(24, 28, (1,), generator=gen))
+        x[r, 32 * c1 + 2 * lane + 1], x[r, 32 * c1 + 2 * lane], x[r, 32 * c2 + 2 * lane + 1] = 2.0**e, 2.0 ** (e - 24), -(2.0**e)
+    x = x.to(torch.bfloat16)
+    weight = torch.ones(37, k, dtype=torch.bfloat16)
+    want = emulated_bf16_rows(x, weight).to(torch.bfloat16)
+    assert bool((want == 0).all())  # the defined order cancels exactly
+    backwards = emulated_bf16_rows(x.reshape(rows, k // 32, 32).flip(1).reshape(rows, k), weight)
+    assert bool((backwards != 0).all())  # and the chunks backwards do not
+    try:
+        kernels.select_isa("avx512_bf16")
+        for m in (1, 2, 3, 4, 5, 9, 10, 30):
+            for r0 in range(0, rows, m):
+                got = kernels.linear(x[r0:r0 + m], weight)
+                assert torch.equal(got.view(torch.int16), want[r0:r0 + m].view(torch.int16)), (m, r0)
+    finally:
+        kernels.select_isa(None)
+
+
 def test_the_amx_path_keeps_rows_independent_and_differs_only_where_it_says(built):
     """amx_bf16: int4 with bf16 activations on AMX tiles for groups of a multiple of 32, in every row count (a
     row's bits never depend on how many rows share its tiles, where in them it sits, nor on threads); close to
