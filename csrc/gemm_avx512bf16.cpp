@@ -13,10 +13,21 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
 
+#include <type_traits>
+
 namespace kvb_avx512bf16 {
 namespace {
 
 #include "int4_codes.inc"
+
+// f(std::integral_constant<int, R>{}) for R = m clamped to [LO, HI]: a run-time row count to a tile's template.
+template <int LO, int HI, class F>
+inline void with_rows(int64_t m, const F& f) {
+  if constexpr (LO < HI) {
+    if (m > LO) return with_rows<LO + 1, HI>(m, f);
+  }
+  f(std::integral_constant<int, LO>{});
+}
 
 inline __m512i x_pair(const uint16_t* x) {
   int32_t bits;
@@ -106,8 +117,8 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
 // group's end, so that the registers hold only the chains): one code vector loaded serves MR rows and one activation
 // pair NB blocks, and enough independent vdpbf16ps chains are in flight to cover the instruction's latency. Measured
 // on Zen 5 (2 threads, Gemma-3-270M's shapes, the same bits): 4 x 4 against the former 8 rows x 1 block with acc in
-// registers, 1.25-1.40x at M = 16, 64 and 256; 6 x 2, 6 x 4, 8 x 2, 5 x 4 with acc in memory, 6 x 2 in registers,
-// 3 x 8 and 2 x 8 were all slower (3 x 8 and 2 x 8: 0.7x, their strips leave L1).
+// registers, 1.25-1.40x at M = 16, 64 and 256; 6 x 4, 8 x 2, 5 x 4 with acc in memory, 6 x 2 in registers, 3 x 8
+// and 2 x 8 were all slower (3 x 8 and 2 x 8: 0.7x, their strips leave L1).
 template <int MR, int NB>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint32_t* strip, const float* scales,
                  const float* zeros, int64_t sstride, int64_t group, const float* xs, int64_t groups, float* out,
@@ -144,14 +155,9 @@ void row_tiles(const uint16_t* x, int64_t m, int64_t k, const uint32_t* strip, c
     const uint16_t* xr = x + r0 * k;
     const float* xsr = xs + r0 * groups;
     float* o = ob + r0 * ldo;
-    switch (m - r0 < MR ? m - r0 : MR) {
-#define KVB_ROWS(R)                                                                          \
-  case R:                                                                                    \
-    if constexpr (R <= MR) tile<R, NB>(xr, k, k, strip, sb, zb, sstride, group, xsr, groups, o, ldo); \
-    break;
-      KVB_ROWS(1) KVB_ROWS(2) KVB_ROWS(3) KVB_ROWS(4) KVB_ROWS(5) KVB_ROWS(6) KVB_ROWS(7) KVB_ROWS(8)
-#undef KVB_ROWS
-    }
+    with_rows<1, MR>(m - r0, [&](auto rows) {
+      tile<decltype(rows)::value, NB>(xr, k, k, strip, sb, zb, sstride, group, xsr, groups, o, ldo);
+    });
   }
 }
 
@@ -189,10 +195,10 @@ inline void tile_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t*
   for (int c = 0; c < NW; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 32) {
+    if constexpr (NW == 1) _mm_prefetch(reinterpret_cast<const char*>(w + kNtaAhead * k + i), _MM_HINT_NTA);
     __m512bh wv[NW];
     for (int c = 0; c < NW; ++c) {
-      if (NW == 1) _mm_prefetch(reinterpret_cast<const char*>(w + kNtaAhead * k + i), _MM_HINT_NTA);
-      if (NW > 1) {
+      if constexpr (NW > 1) {
         _mm_prefetch(reinterpret_cast<const char*>(w + (KVB_NK_AHEAD_L2 + c) * k + i), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(w + (kL1Ahead + c) * k + i), _MM_HINT_T0);
       }
@@ -209,17 +215,7 @@ inline void tile_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t*
 
 template <int NW>
 inline void rows_pass(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
-  switch (rows) {
-    case 1: tile_rows<1, NW>(x, k, k, w, out, ldo); break;
-    case 2: tile_rows<2, NW>(x, k, k, w, out, ldo); break;
-    case 3: tile_rows<3, NW>(x, k, k, w, out, ldo); break;
-    case 4: tile_rows<4, NW>(x, k, k, w, out, ldo); break;
-    case 5: tile_rows<5, NW>(x, k, k, w, out, ldo); break;
-    case 6: tile_rows<6, NW>(x, k, k, w, out, ldo); break;
-    case 7: tile_rows<7, NW>(x, k, k, w, out, ldo); break;
-    case 8: tile_rows<8, NW>(x, k, k, w, out, ldo); break;
-    default: tile_rows<9, NW>(x, k, k, w, out, ldo); break;
-  }
+  with_rows<1, 9>(rows, [&](auto r) { tile_rows<decltype(r)::value, NW>(x, k, k, w, out, ldo); });
 }
 
 }  // namespace
@@ -296,53 +292,24 @@ int64_t strip_words(int64_t m, int64_t k, bool vbmi) { return m > kFusedRows[vbm
 // One block (four for one or two rows, two for 3 to 8), `b` advanced past all but the last; m <= kFusedRows[VBMI].
 // Each tile's chains, rows x blocks, are what hides vdpbf16ps's latency: 3 to 8 rows on two blocks against one,
 // alternated in one process on Zen 5 (Gemma-3-270M's shapes, in cache, the same bits): 1.22-1.50x, with VBMI or
-// without; from 9 rows on, two blocks' chains and sums no longer fit the 32 registers (9 rows: 0.83-0.87x), and
+// without; from 9 rows on, two blocks' chains and sums no longer fit the 32 registers (9 rows: 0.83-0.88x), and
 // splitting the rows into two tiles of two blocks decodes the codes twice (1.0-1.03x).
 template <bool VBMI>
 void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_t qstride, const float* sb,
               const float* zb, int64_t sstride, int64_t group, const float* xs, int64_t groups, float* ob, int64_t ldo,
               int64_t& b, int64_t b1, const VbmiCodes& codes) {
-#define KVB_FUSED(R, NB) \
-  tile_fused<R, NB, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob, ldo, codes)
-  if (m <= 2 && b + 4 <= b1) {
-    if (m == 1)
-      KVB_FUSED(1, 4);
-    else
-      KVB_FUSED(2, 4);
-    b += 3;
-    return;
-  }
-  if (m >= 3 && m <= 8 && b + 2 <= b1) {
-    switch (m) {
-      case 3: KVB_FUSED(3, 2); break;
-      case 4: KVB_FUSED(4, 2); break;
-      case 5: KVB_FUSED(5, 2); break;
-      case 6: KVB_FUSED(6, 2); break;
-      case 7: KVB_FUSED(7, 2); break;
-      default: KVB_FUSED(8, 2); break;
-    }
-    b += 1;
-    return;
-  }
-  switch (m) {
-    case 1: KVB_FUSED(1, 1); return;
-    case 2: KVB_FUSED(2, 1); return;
-    case 3: KVB_FUSED(3, 1); return;
-    case 4: KVB_FUSED(4, 1); return;
-  }
-  if constexpr (VBMI) {
-    switch (m) {
-      case 5: KVB_FUSED(5, 1); return;
-      case 6: KVB_FUSED(6, 1); return;
-      case 7: KVB_FUSED(7, 1); return;
-      case 8: KVB_FUSED(8, 1); return;
-      case 9: KVB_FUSED(9, 1); return;
-      case 10: KVB_FUSED(10, 1); return;
-      case 11: KVB_FUSED(11, 1); return;
-      default: KVB_FUSED(12, 1); return;
-    }
-  }
-#undef KVB_FUSED
+  const int64_t blocks = m <= 2 && b + 4 <= b1 ? 4 : m >= 3 && m <= 8 && b + 2 <= b1 ? 2 : 1;
+  auto fused = [&](auto rows, auto nb) {
+    tile_fused<decltype(rows)::value, decltype(nb)::value, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs,
+                                                                  groups, ob, ldo, codes);
+  };
+  if (blocks == 4)
+    with_rows<1, 2>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 4>{}); });
+  else if (blocks == 2)
+    with_rows<3, 8>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 2>{}); });
+  else
+    with_rows<1, kFusedRows[VBMI]>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 1>{}); });
+  b += blocks - 1;
 }
 
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
