@@ -82,6 +82,14 @@ def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built
         kernels.set_vbmi(True)
 
 
+def set_order_trap(row: torch.Tensor, first: int, later: int, e: int, sign: float = 1.0) -> None:
+    """In ``row`` (float32), the k-pair at ``first`` (its even k) gets sign 2^e at its odd k and sign 2^(e-24) at
+    its even k (absorbed: a tie, to even), the pair at ``later`` -sign 2^e at its odd k. Summed odd k first, pairs
+    in order, these end at 0; summed in another order (the later pair first, or the small term first) they end at
+    sign 2^(e-24)."""
+    row[first + 1], row[first], row[later + 1] = sign * 2.0**e, sign * 2.0 ** (e - 24), -sign * 2.0**e
+
+
 def order_traps(m: int, k: int, group: int, seed: int) -> torch.Tensor:
     """bf16 activations whose pair sums show their order at any precision: per row and group, 2^e at the odd k of
     one pair with 2^(e-24) beside it (absorbed: a tie, to even) and -2^e at the odd k of a later pair, zeros
@@ -94,7 +102,7 @@ def order_traps(m: int, k: int, group: int, seed: int) -> torch.Tensor:
             p1, p2 = sorted(torch.randperm(group // 2, generator=gen)[:2].tolist())
             e = int(torch.randint(24, 28, (1,), generator=gen))
             sign = float(torch.randint(0, 2, (1,), generator=gen)) * 2 - 1
-            x[r, g0 + 2 * p1 + 1], x[r, g0 + 2 * p1], x[r, g0 + 2 * p2 + 1] = sign * 2.0**e, sign * 2.0 ** (e - 24), -sign * 2.0**e
+            set_order_trap(x[r], g0 + 2 * p1, g0 + 2 * p2, e, sign)
     return x.to(torch.bfloat16)
 
 
@@ -181,7 +189,7 @@ def test_the_row_major_bf16_chunks_run_in_the_defined_order(built):
         lane = int(torch.randint(0, 16, (1,), generator=gen))
         c1, c2 = sorted(torch.randperm(k // 32, generator=gen)[:2].tolist())
         e = int(torch.randint(24, 28, (1,), generator=gen))
-        x[r, 32 * c1 + 2 * lane + 1], x[r, 32 * c1 + 2 * lane], x[r, 32 * c2 + 2 * lane + 1] = 2.0**e, 2.0 ** (e - 24), -(2.0**e)
+        set_order_trap(x[r], 32 * c1 + 2 * lane, 32 * c2 + 2 * lane, e)
     x = x.to(torch.bfloat16)
     weight = torch.ones(37, k, dtype=torch.bfloat16)
     want = emulated_bf16_rows(x, weight).to(torch.bfloat16)
