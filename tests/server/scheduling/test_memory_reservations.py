@@ -200,17 +200,18 @@ def test_the_batch_scheduler_records_calibration_windows():
     with serve(model, tiny_tokenizer(), scheduler="batch") as server:
         server.app.state.service.admission = MemoryAdmission(MemoryPlanner(shape_of(model), 2**34, margin=0.0))
         client = server.client()
-        for n in (20, 200):
+
+        def stats() -> dict:
+            return httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["memory"]
+
+        # A window closes at the step after which the batch is idle. That step may end after the reply reached
+        # the client, and a request sent before it joins the open window (the batch never went idle). So each
+        # request waits for the window before it to be recorded: two requests, two windows.
+        for windows, n in enumerate((20, 200), start=1):
             client.completions.create(model=MODEL_NAME, prompt=cycle_words(n), max_tokens=4, temperature=0)
-        # A window is recorded at the step after which the batch is idle, which may come after the reply reached the
-        # client (a loaded fresh-clone run read the stats first and saw one): wait for it, within a deadline.
-        deadline = time.monotonic() + 30
-        while True:
-            memory = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["memory"]
-            if memory["batch_windows"] >= 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert memory["batch_windows"] >= 2 and memory["requests"] == 0  # rows: windows, no per-request record
+            server.wait_until(lambda: stats()["batch_windows"] >= windows, f"batch window {windows} to be recorded")
+        memory = stats()
+    assert memory["batch_windows"] == 2 and memory["requests"] == 0  # rows: windows, no per-request record
     assert memory["kinds"]["batch"]["records"] == memory["batch_windows"]
     assert memory["residual_median"] is not None and memory["cohorts"]
     assert memory["reserved_mb"] == 0 and memory["admitted"] == 0
