@@ -4,15 +4,23 @@ so tests can find and kill replica processes."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 import httpx
 
 from kvboost_hf.cli import build_parser
+
+
+# Ray Serve gives its HTTP proxy 5 s to report ready, three times, then kills it, and serve.run raises
+# ActorDiedError: a 2-core host with the other test worker busy missed that (seen with two busy loops beside
+# the suite). Serve's controller reads these limits from the environment the driver's ray.init passes down.
+STARVED_HOST_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 
 
 def free_port() -> int:
@@ -65,8 +73,9 @@ def ray_server(*flags: str, startup_s: float = 300.0) -> Iterator[RayServer]:
             ready.set()
 
     thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(startup_s), "the Ray application did not start"
+    with mock.patch.dict(os.environ, STARVED_HOST_ENV):  # read when ray.init starts Ray's processes
+        thread.start()
+        assert ready.wait(startup_s), "the Ray application did not start"
     assert not failed, failed
     server = RayServer(f"http://127.0.0.1:{port}", stop, thread)
     try:
