@@ -173,15 +173,15 @@ class GenerationQueue:
                 self._running.add(job)
             job.emit("started", job.started_at)
             try:
-                result = job.work(job)
+                outcome = ("done", job.work(job))
             except Exception as exc:  # reported to the request; the worker keeps serving
                 logger.exception("job failed")
-                job.finished_at = time.perf_counter()
-                job.emit("error", exc)
-            else:
-                job.finished_at = time.perf_counter()
-                job.emit("done", result)
+                outcome = ("error", exc)
             finally:
+                job.finished_at = time.perf_counter()
+                # Counted before the reply goes out (as the batch queue ends a row before its event): a client that
+                # has its reply reads a depth and a count that include it.
                 with self._lock:
                     self._running.discard(job)
                     self.completed += 1
+            job.emit(*outcome)
