@@ -15,6 +15,7 @@ from openai import AsyncOpenAI, OpenAI
 from kvboost_hf import ChunkStore, disable_chunk_reuse
 from kvboost_hf.server import ServerSettings, create_app
 from kvboost_hf.server.routes.background import free_port, serve_in_background
+from kvboost_hf.server.scheduling.batch import BatchingQueue
 from tests.conftest import make_tiny, make_tiny_tokenizer
 
 # Roles are vocabulary words, so the word-level tokenizer keeps every template token.
@@ -154,3 +155,37 @@ def all_at_once(call, n: int, timeout_s: float = 180) -> dict:
     for thread in threads:
         thread.join(timeout_s)
     return results
+
+
+class BurstGate:
+    """Holds the batch scheduler's first step after a submission until ``burst`` requests are queued, so a burst
+    sent together is decided on together however loaded the machine is. As the model's forward pre-hook it also
+    holds the first forward and slows every forward a little, so rows that start in later steps still overlap.
+    (Holding the forward alone let a loaded run admit the first request alone and the rest only after its prefill
+    was published.) Make it after any request that is not part of the burst."""
+
+    def __init__(self, burst: int, monkeypatch) -> None:
+        self.burst, self.queued, self.all_queued, lock = burst, 0, threading.Event(), threading.Lock()
+        submit = BatchingQueue.submit
+
+        def counted(queue, job):
+            submit(queue, job)
+            with lock:
+                self.queued += 1
+                if self.queued >= self.burst:
+                    self.all_queued.set()
+
+        monkeypatch.setattr(BatchingQueue, "submit", counted)
+        step = BatchingQueue._step
+
+        def gated(queue):  # the scheduler's first decision after a submission sees the whole burst queued
+            if self.queued:
+                assert self.all_queued.wait(60), f"only {self.queued} of {self.burst} requests were queued"
+            step(queue)
+
+        monkeypatch.setattr(BatchingQueue, "_step", gated)
+
+    def __call__(self, *_) -> None:
+        if self.queued:  # forwards before any request (a server's start-up) pass
+            assert self.all_queued.wait(60), f"only {self.queued} of {self.burst} requests were queued"
+        time.sleep(0.01)

@@ -20,7 +20,7 @@ import pytest
 from kvboost_hf import ChunkStore
 from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
 from tests.conftest import make_tiny
-from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer, words
+from tests.server.conftest import MODEL_NAME, BurstGate, cycle_words, serve, tiny_tokenizer, words
 from tests.server.scheduling.test_batch_server import slow_steps, stream_lines
 
 TOL = 1e-4
@@ -103,7 +103,7 @@ def test_json_schema_row_runs_beside_plain_streams_and_leaves_them_as_they_are_a
 
 
 # ---------------------------------------------------------------------------- logprobs
-def test_batched_logprobs_equal_the_worker_paths():
+def test_batched_logprobs_equal_the_worker_paths(monkeypatch):
     model, tokenizer = make_tiny("llama", seed=31), tiny_tokenizer()
     eos = stop_token_ids(model, tokenizer)
     prompts = [cycle_words(23, start=4), words(40, 41, 42)]
@@ -111,6 +111,7 @@ def test_batched_logprobs_equal_the_worker_paths():
                                SamplingParams(max_tokens=10, temperature=0, logprobs=3), eos) for p in prompts]
     with serve(model, tokenizer, scheduler="batch", max_batch_size=4) as server:
         widths, handle = forward_widths(model)
+        gate = model.register_forward_pre_hook(BurstGate(3, monkeypatch))  # the three requests share steps
 
         async def together():
             client = server.async_client()
@@ -126,6 +127,7 @@ def test_batched_logprobs_equal_the_worker_paths():
             *completions, chat = asyncio.run(asyncio.wait_for(together(), timeout=120))
         finally:
             handle.remove()
+            gate.remove()
     assert max(widths) >= 2
     for reply, out in zip(expected, completions):
         lp = out.choices[0].logprobs

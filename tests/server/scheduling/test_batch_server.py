@@ -12,7 +12,7 @@ import pytest
 from kvboost_hf.server import ServerSettings
 from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
 from tests.conftest import make_tiny
-from tests.server.conftest import MODEL_NAME, cycle_words, serve, tiny_tokenizer
+from tests.server.conftest import MODEL_NAME, BurstGate, cycle_words, serve, tiny_tokenizer
 
 SYSTEM = cycle_words(40, start=5)  # a shared prefix: later requests reuse it from the store
 
@@ -82,12 +82,13 @@ def test_concurrent_greedy_clients_get_what_generate_returns_alone():
     assert max(cached) >= 32
 
 
-def test_seeded_sampling_returns_the_same_text_whatever_else_is_in_the_batch():
+def test_seeded_sampling_returns_the_same_text_whatever_else_is_in_the_batch(monkeypatch):
     model, tokenizer = make_tiny("llama", seed=22), tiny_tokenizer()
     seeded = dict(model=MODEL_NAME, prompt=cycle_words(30), max_tokens=20, temperature=0.9, top_p=0.9, seed=1234,
                   extra_body={"ignore_eos": True})
     with serve(model, tokenizer, scheduler="batch", max_batch_size=8, max_batched_tokens=40) as server:
         first = server.client().completions.create(**seeded).choices[0].text
+        gate = model.register_forward_pre_hook(BurstGate(7, monkeypatch))  # the crowd shares steps
 
         async def crowded():
             client = server.async_client()
@@ -98,7 +99,10 @@ def test_seeded_sampling_returns_the_same_text_whatever_else_is_in_the_batch():
             await client.close()
             return outs[3].choices[0].text
 
-        crowded_text = asyncio.run(crowded())
+        try:
+            crowded_text = asyncio.run(crowded())
+        finally:
+            gate.remove()
         other_seed = server.client().completions.create(**{**seeded, "seed": 4321}).choices[0].text
         batching = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["batching"]
     assert len(first.split()) == 20

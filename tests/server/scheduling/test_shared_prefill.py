@@ -3,17 +3,13 @@ reused exactly by every other row (they wait for the prefill in flight, then loa
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 
 from kvboost_hf.batching.scheduler import common_prefix, waits_for_prefill
 from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
-from kvboost_hf.server.scheduling.batch import BatchingQueue
 from kvboost_hf.store import ChunkStore
 from tests.conftest import make_tiny
-from tests.server.conftest import MODEL_NAME, all_at_once, cycle_words, serve, tiny_tokenizer
+from tests.server.conftest import MODEL_NAME, BurstGate, all_at_once, cycle_words, serve, tiny_tokenizer
 
 SYSTEM = cycle_words(70, start=11)  # a prefix no request has sent before the burst
 
@@ -34,39 +30,6 @@ def alone(model, tokenizer, prompt: str, max_tokens: int) -> tuple[str, str]:
     reply = generate_reply(model, tokenizer, ids, SamplingParams(max_tokens=max_tokens, temperature=0),
                            stop_token_ids(model, tokenizer))
     return reply.text, reply.finish_reason
-
-
-class BurstGate:
-    """Holds the scheduler's first step after a submission, and the first request's first forward, until the
-    whole burst is queued (then slows every forward a little), so the burst always finds that prompt's prefill in
-    flight, however loaded the machine is (holding the forward alone let a loaded run admit the first request
-    alone and the rest only after its prefill was published: no row waited)."""
-
-    def __init__(self, burst: int, monkeypatch) -> None:
-        self.burst, self.queued, self.all_queued, lock = burst, 0, threading.Event(), threading.Lock()
-        submit = BatchingQueue.submit
-
-        def counted(queue, job):
-            submit(queue, job)
-            with lock:
-                self.queued += 1
-                if self.queued >= self.burst:
-                    self.all_queued.set()
-
-        monkeypatch.setattr(BatchingQueue, "submit", counted)
-        step = BatchingQueue._step
-
-        def gated(queue):  # the scheduler's first decision after a submission sees the whole burst queued
-            if self.queued:
-                assert self.all_queued.wait(60), f"only {self.queued} of {self.burst} requests were queued"
-            step(queue)
-
-        monkeypatch.setattr(BatchingQueue, "_step", gated)
-
-    def __call__(self, *_) -> None:
-        if self.queued:  # forwards before any request (a server's start-up) pass
-            assert self.all_queued.wait(60), f"only {self.queued} of {self.burst} requests were queued"
-        time.sleep(0.01)
 
 
 def test_a_burst_on_a_new_shared_prefix_computes_it_once_and_answers_exactly(monkeypatch):
