@@ -242,19 +242,30 @@ def test_a_purge_racing_a_tenants_requests_leaves_nothing_of_them(tenants_server
     server = tenants_server
     prompts = [text(5000 + k, 96) for k in range(4)]
     handle = slow_forward(server.model, 0.02)
+    queued = threading.Event()  # the first forward waits for it: all four are queued or running before any ends
+
+    def hold_until_queued(module, args) -> None:
+        queued.wait(60)
+
+    hold = server.model.base_model.register_forward_pre_hook(hold_until_queued)  # the batch runner calls it directly
+    replies = {}
     try:
-        # 40 slow steps each: all four are queued or running long before the first ends
-        slow = {"max_tokens": 40, "ignore_eos": True}
-        threads = [threading.Thread(target=complete, args=(server, ALICE, p), kwargs=slow) for p in prompts]
+        slow = {"max_tokens": 40, "ignore_eos": True}  # 40 slow steps each: the purge finds the first one running
+        threads = [threading.Thread(target=lambda p: replies.update({p: complete(server, ALICE, p, **slow)}), args=(p,))
+                   for p in prompts]
         for t in threads:
             t.start()
         server.wait_until(lambda: server.queue.depth == len(prompts), "every request queued or running")
+        queued.set()
         purged = httpx.delete(f"{server.base_url}/v1/cache", headers={"Authorization": f"Bearer {ALICE}"})
         assert purged.status_code == 200
         for t in threads:
             t.join()
     finally:
+        queued.set()
+        hold.remove()
         handle.remove()
+    assert sorted(replies) == sorted(prompts)  # every request was answered (complete() asserts a 200)
     assert not [e for e in server.store.entries() if e.owner == "alice"]
     for p in prompts:
         assert cached(complete(server, ALICE, p)) == 0
