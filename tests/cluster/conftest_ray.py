@@ -87,3 +87,4 @@ def ray_server(*flags: str, startup_s: float = 300.0) -> Iterator[RayServer]:
         stop.set()
         thread.join(120)
         assert not thread.is_alive(), "serve_on_ray did not stop"
+        assert not failed, failed  # it failed while serving or stopping

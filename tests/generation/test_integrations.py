@@ -20,7 +20,7 @@ def store() -> ChunkStore:
 
 
 def stream_text(model, tokenizer, text):
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=120)  # a failed generate: no hang
     inputs = tokenizer(text, return_tensors="pt")
     thread = threading.Thread(target=model.generate, kwargs=dict(**inputs, streamer=streamer, **GEN))
     thread.start()

@@ -154,7 +154,8 @@ def all_at_once(call, n: int, timeout_s: float = 180) -> dict:
         thread.start()
     for thread in threads:
         thread.join(timeout_s)
-    return results
+    assert not any(thread.is_alive() for thread in threads), f"a call did not return within {timeout_s} s"
+    return results  # a call that raised fails the test (setup.cfg: thread exceptions)
 
 
 class BurstGate:

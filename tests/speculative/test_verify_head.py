@@ -110,12 +110,12 @@ def test_other_heads_and_calls_are_left_alone():
 def test_concurrent_requests_install_once_and_remove_last():
     head = _tall_head()
     model = _Holder(head)
-    inside, release = threading.Barrier(3), threading.Event()
+    inside, release = threading.Barrier(3, timeout=60), threading.Event()  # a failed entry breaks it: no hang
 
     def request():
         with row_blocked_head(model):
             inside.wait()
-            release.wait()
+            release.wait(60)
 
     threads = [threading.Thread(target=request) for _ in range(2)]
     for t in threads:

@@ -143,7 +143,7 @@ def test_an_insert_that_began_before_a_purge_stores_nothing():
 
 def test_a_purge_racing_writes_leaves_nothing_of_what_began_before_it():
     store = ChunkStore(max_bytes=10**7, chunk_size=4)
-    started = threading.Barrier(3)
+    started = threading.Barrier(3, timeout=60)  # a writer that fails first breaks it: no hang
     epochs = []
 
     def writer(offset):

@@ -135,6 +135,7 @@ def test_concurrent_inserts_and_lookups_keep_accounting_consistent():
         t.join()
     assert store.nbytes <= store.max_bytes
     assert store.nbytes == sum(e.nbytes for e in store.entries())
+    assert store.entries()  # the threads stored something (an error in one fails the test: setup.cfg)
 
 
 def chunk_bytes(**settings) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -123,15 +124,20 @@ def slow_steps(model, seconds: float = 0.02):
 
 
 def stream_lines(base_url: str, body: dict, keep: int, out: list, done: threading.Event) -> None:
-    """Stream ``body``, read ``keep`` SSE data lines into ``out``, then disconnect."""
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    out.append(line)
-                    if len(out) >= keep:
-                        break
-    done.set()
+    """Stream ``body``, read ``keep`` SSE data lines into ``out``, then disconnect; ``done`` is set however it
+    ends. A refused request or an error chunk raises, which fails the test (setup.cfg: thread exceptions)."""
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        assert line == "data: [DONE]" or "error" not in json.loads(line[6:]), line
+                        out.append(line)
+                        if len(out) >= keep:
+                            break
+    finally:
+        done.set()
 
 
 def test_a_disconnect_frees_its_row_while_the_batch_keeps_running():
@@ -182,7 +188,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_moving():
             stats = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["batching"]
         finally:
             handle.remove()
-        done.wait(60)
+        assert done.wait(60)
+    assert lines[-1] == "data: [DONE]"  # the stream ran to its end
     assert out.usage.prompt_tokens == 400
     # 400 prompt tokens at most 31 a step (one token of the budget goes to the stream): >= 13 chunks...
     assert stats["prefill_chunks"] - before_chunks >= 13
@@ -212,7 +219,7 @@ def test_full_batch_and_queue_is_503_and_stats_and_metrics_show_the_batch():
         finally:
             handle.remove()
         for lines, done in streams:
-            done.wait(60)
+            assert done.wait(60) and lines[-1] == "data: [DONE]"  # each stream ran to its end
         stats = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert stats["queue"]["scheduler"] == "batch"
