@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvboost_hf import kernels
+from kvboost_hf.kernels import decoder as fused_decoder
 from kvboost_hf.streaming import StreamingAWQConfig
 from kvboost_hf.streaming.pack import pack_model
 from tests.conftest import make_tiny
@@ -44,3 +46,34 @@ def tiny_awq(tmp_path_factory) -> dict[str, tuple]:
 @pytest.fixture(scope="session")
 def mmap_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("awq-int4pack")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_awq(tmp_path_factory):
+    """A tiny Mistral (a sliding window on every layer) packed as the families of :func:`tiny_awq` are."""
+    path = tmp_path_factory.mktemp("awq-mistral")
+    pack_model(make_tiny("mistral", seed=3, num_layers=TINY_LAYERS), path, group_size=TINY_GROUP)
+    return path
+
+
+@pytest.fixture
+def kernels_built():
+    """The kernels' status; the test fails (it is not skipped) where they are not built."""
+    status = kernels.available()
+    assert status.built, status.reason
+    return status
+
+
+@pytest.fixture
+def fast_loops(monkeypatch):
+    """How many forwards took the fused decoder's loop."""
+    counter = {"n": 0}
+    original = fused_decoder._position_embeddings
+
+    def counted(*args):
+        out = original(*args)
+        counter["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused_decoder, "_position_embeddings", counted)
+    return counter

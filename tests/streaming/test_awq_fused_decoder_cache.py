@@ -13,7 +13,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 
 from kvboost_hf.cache.buffer import BufferedLayer, BufferedSlidingLayer, in_place_layer
 from kvboost_hf.kernels.decoder import FRESH_LAYER, KernelDecoderMixin, fuse_decoder, unfuse_decoder
-from tests.streaming.test_awq_fused_decoder import awq_model, fast_loops, kernels_built  # noqa: F401 - fixtures
+from tests.streaming.fused_models import awq_model
 
 IDS = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(9))
 

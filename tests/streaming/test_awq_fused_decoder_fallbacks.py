@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tests.streaming.test_awq_fused_decoder import NOT_PLAIN, awq_model, kernels_built  # noqa: F401 - fixtures
+from tests.streaming.fused_models import awq_model
+from tests.streaming.test_awq_fused_decoder import NOT_PLAIN
 
 LOGGER = "kvboost_hf.kernels.decoder"
 REASONS = {

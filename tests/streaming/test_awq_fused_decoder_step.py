@@ -12,7 +12,7 @@ import torch
 from kvboost_hf.cache import buffer
 from kvboost_hf.kernels import decoder as fused_decoder
 from kvboost_hf.kernels.plan import checked_plan
-from tests.streaming.test_awq_fused_decoder import awq_model, fast_loops, kernels_built, tiny_mistral_awq  # noqa: F401
+from tests.streaming.fused_models import awq_model
 from tests.streaming.test_awq_fused_layer_step import assert_same_cache, decode, new_cache
 
 DECODER_OP = "kvboost::decoder_step"

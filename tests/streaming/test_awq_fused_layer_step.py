@@ -18,7 +18,7 @@ from kvboost_hf.kernels import decoder as fused_decoder
 from kvboost_hf.kernels.decoder import unfuse_decoder
 from kvboost_hf.kernels.layer import layer_arguments
 from kvboost_hf.kernels.plan import KEYS_IN_ORDER
-from tests.streaming.test_awq_fused_decoder import awq_model, fast_loops, kernels_built  # noqa: F401 - fixtures
+from tests.streaming.fused_models import awq_model
 
 STEP_OP = "kvboost::layer_step"
 

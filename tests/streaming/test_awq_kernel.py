@@ -27,11 +27,6 @@ def kernel_names(model) -> set[str]:
     return {m.kernel.name for m in model.modules() if isinstance(m, AWQInt4Linear)}
 
 
-@pytest.fixture
-def kernels_built():
-    assert kernels.available().built, kernels.available().reason
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_every_mode_on_the_kvboost_kernel_equals_its_resident_model(family, tiny_awq, mmap_dir, kernels_built):
     _, path = tiny_awq[family]

@@ -8,16 +8,11 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from kvboost_hf import kernels, make_draft
+from kvboost_hf import make_draft
 from kvboost_hf.kernels.layer import fuse_layers, unfuse_layers
 from kvboost_hf.streaming.fused import ProjectionGroup, fuse_projections
 from kvboost_hf.streaming.linear import AWQInt4Linear
 from tests.streaming.conftest import load_awq
-
-
-@pytest.fixture
-def kernels_built():
-    assert kernels.available().built, kernels.available().reason
 
 
 def _groups(model) -> list[ProjectionGroup]:
