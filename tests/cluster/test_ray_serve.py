@@ -269,14 +269,14 @@ def test_replicas_restarted_between_two_turns_warm_the_history_from_redis(cluste
         import redis
 
         client = redis.Redis.from_url(redis_url)
-        deadline, seen = time.monotonic() + 30, -1  # the write-behind queues have reached Redis
-        while time.monotonic() < deadline:
+        deadline, seen, settled = time.monotonic() + 30, -1, False  # the write-behind queues have reached Redis
+        while not settled and time.monotonic() < deadline:
             time.sleep(2 * PUSH_PERIOD_S)  # a push taken after the turn: its pending count is current
             blobs = len(client.keys("ray-test:kv:*"))
             pending = merged_metric(cluster.url, "kvboost_remote_pending_writes")
-            if blobs == seen and set(pending) == set(replicas()) and not any(pending.values()):
-                break
+            settled = blobs == seen and set(pending) == set(replicas()) and not any(pending.values())
             seen = blobs
+        assert settled, f"the replicas' writes to Redis did not settle: {seen} blobs, pending {pending}"
         before = set(replicas())
         for replica in before:
             kill_replica(replica)

@@ -12,6 +12,7 @@ import pytest
 
 from kvboost_hf.server import ServerSettings
 from kvboost_hf.server.engine.generation import SamplingParams, generate_reply, stop_token_ids
+from kvboost_hf.server.scheduling.workers import Job
 from tests.conftest import make_tiny
 from tests.server.conftest import MODEL_NAME, BurstGate, cycle_words, serve, tiny_tokenizer
 
@@ -168,8 +169,16 @@ def test_a_disconnect_frees_its_row_while_the_batch_keeps_running():
         assert admission.batch_kv_bytes() == 0  # every row's K/V accounting was released
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_moving():
+def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_moving(monkeypatch):
     model = make_tiny("llama", seed=24)
+    events = []  # (job, kind) in the order the scheduler emitted them: what the stream got while the prompt ran
+    emit = Job.emit
+
+    def recorded(job, kind, value=None):
+        events.append((job, kind))
+        emit(job, kind, value)
+
+    monkeypatch.setattr(Job, "emit", recorded)
     with serve(model, tiny_tokenizer(), scheduler="batch", max_batch_size=4, max_batched_tokens=32) as server:
         forwards, handle = slow_steps(model, 0.01)
         try:
@@ -182,9 +191,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_moving():
             admission = server.app.state.service.admission
             assert admission.batch_kv_bytes() > 0  # the running row's K/V is accounted
             before_chunks = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["batching"]["prefill_chunks"]
-            at_send = len(lines)
             out = server.client().completions.create(model=MODEL_NAME, prompt=cycle_words(400, 11), max_tokens=1)
-            during = len(lines) - at_send
             stats = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["batching"]
         finally:
             handle.remove()
@@ -193,8 +200,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_moving():
     assert out.usage.prompt_tokens == 400
     # 400 prompt tokens at most 31 a step (one token of the budget goes to the stream): >= 13 chunks...
     assert stats["prefill_chunks"] - before_chunks >= 13
-    # ... and the running stream got a token in each of those steps instead of waiting for the whole prompt.
-    assert during >= 10
+    # ... and the running stream got a token in each of those steps instead of waiting for the whole prompt: its
+    # deltas the scheduler emitted between the long request's start and its end (counted there, not as the client
+    # happened to read them).
+    stream, long = [job for job, kind in events if kind == "started"][:2]
+    first, last = events.index((long, "started")), events.index((long, "done"))
+    assert sum(job is stream and kind == "delta" for job, kind in events[first:last]) >= 10
 
 
 def test_full_batch_and_queue_is_503_and_stats_and_metrics_show_the_batch():
