@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from unittest import mock
 
 import httpx
 
@@ -73,9 +72,10 @@ def ray_server(*flags: str, startup_s: float = 300.0) -> Iterator[RayServer]:
             ready.set()
 
     thread = threading.Thread(target=run, daemon=True)
-    with mock.patch.dict(os.environ, STARVED_HOST_ENV):  # read when ray.init starts Ray's processes
-        thread.start()
-        assert ready.wait(startup_s), "the Ray application did not start"
+    for name, value in STARVED_HOST_ENV.items():  # read when ray.init starts Ray's processes; left set (restoring
+        os.environ.setdefault(name, value)        # os.environ clears it a moment, under Ray's running threads)
+    thread.start()
+    assert ready.wait(startup_s), "the Ray application did not start"
     assert not failed, failed
     server = RayServer(f"http://127.0.0.1:{port}", stop, thread)
     try:

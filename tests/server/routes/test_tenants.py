@@ -249,20 +249,20 @@ def test_a_purge_racing_a_tenants_requests_leaves_nothing_of_them(tenants_server
 
     hold = server.model.base_model.register_forward_pre_hook(hold_until_queued)  # the batch runner calls it directly
     replies = {}
+    slow = {"max_tokens": 40, "ignore_eos": True}  # 40 slow steps each: the purge finds the first one running
+    threads = [threading.Thread(target=lambda p: replies.update({p: complete(server, ALICE, p, **slow)}), args=(p,))
+               for p in prompts]
     try:
-        slow = {"max_tokens": 40, "ignore_eos": True}  # 40 slow steps each: the purge finds the first one running
-        threads = [threading.Thread(target=lambda p: replies.update({p: complete(server, ALICE, p, **slow)}), args=(p,))
-                   for p in prompts]
         for t in threads:
             t.start()
         server.wait_until(lambda: server.queue.depth == len(prompts), "every request queued or running")
         queued.set()
         purged = httpx.delete(f"{server.base_url}/v1/cache", headers={"Authorization": f"Bearer {ALICE}"})
         assert purged.status_code == 200
-        for t in threads:
-            t.join()
     finally:
         queued.set()
+        for t in threads:
+            t.join(120)  # here too when a check above failed: a thread left running would fail the next test
         hold.remove()
         handle.remove()
     assert sorted(replies) == sorted(prompts)  # every request was answered (complete() asserts a 200)
