@@ -169,7 +169,11 @@ void row_tiles(const uint16_t* x, int64_t m, int64_t k, const uint32_t* strip, c
 // the hardware prefetcher falls behind, so it prefetches them KVB_NK_AHEAD_L2 rows ahead into L2 and
 // KVB_NK_AHEAD_L1 into L1 (one-weight-row passes, 1-3 rows, are at the bandwidth limit and measured
 // slower with it). Measured on the 262k x 640 head (2 threads, ~11 ms for one row): 9 rows 25 -> 12.7
-// ms, 4 rows 14.3 -> 11.4 ms.
+// ms, 4 rows 14.3 -> 11.4 ms (Zen 4). With `one_row_passes` (the caller's choice by host, ops.cpp) every pass takes
+// one weight row: on Zen 5, whose 512-bit loads and vdpbf16ps run at full width, such passes with their
+// non-temporal prefetch read the head at the one-row speed up to 9 rows, where the pairs' two prefetches into L2
+// and L1 fall behind (alternated in one process, 9 rounds: 4 rows 9.01 -> 6.68 ms, 6 rows 8.95 -> 7.01, 9 rows
+// 8.66 -> 6.86; from 12 rows, two passes over each chunk, the pairs stay ahead: 12 rows 0.97x, 17 rows 0.95x).
 constexpr int kPairRows = 4;
 // Into L1 8 weight rows ahead here, not KVB_NK_AHEAD_L1's 4: the 262k x 640 head at 9 rows on Zen 5, alternated in
 // one process (10 rounds): 1.057x (12 ahead 1.049x; 2 or 4 ahead into L1 with 8-64 into L2 0.95-1.04x).
@@ -213,15 +217,28 @@ inline void tile_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t*
     for (int r = 0; r < MR; ++r) out[r * ldo + c] = tree(acc[c][r]);
 }
 
+// A pass of one weight row, out of line: inlined into bf16_rows beside the pair passes, GCC 12 ran short of registers
+// at 9 rows (the row pointers reloaded from the stack and each weight vector bounced through it, every step), and
+// the head at 9 rows took 10.8 ms where out of line it takes 7.1.
+template <int MR>
+__attribute__((noinline)) void one_row_pass(const uint16_t* x, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
+  tile_rows<MR, 1>(x, k, k, w, out, ldo);
+}
+
 template <int NW>
 inline void rows_pass(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
-  with_rows<1, 9>(rows, [&](auto r) { tile_rows<decltype(r)::value, NW>(x, k, k, w, out, ldo); });
+  with_rows<1, 9>(rows, [&](auto r) {
+    if constexpr (NW == 1)
+      one_row_pass<decltype(r)::value>(x, k, w, out, ldo);
+    else
+      tile_rows<decltype(r)::value, NW>(x, k, k, w, out, ldo);
+  });
 }
 
 }  // namespace
 
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
-               uint16_t* rounded, int64_t ldo) {
+               uint16_t* rounded, int64_t ldo, bool one_row_passes) {
   float chunk[9 * 32];  // with `rounded`: a pass's sums, rounded into it once its 32 columns are done
   for (int64_t c0 = n0; c0 < n1; c0 += 32) {
     const int64_t c1 = c0 + 32 < n1 ? c0 + 32 : n1;
@@ -231,7 +248,7 @@ void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64
       float* o = rounded != nullptr ? chunk : out + r0 * ldo + c0;  // column n at o[n - c0]
       const int64_t ld = rounded != nullptr ? 32 : ldo;
       int64_t n = c0;
-      if (rows >= kPairRows)
+      if (rows >= kPairRows && !one_row_passes)
         for (; n + 2 <= c1; n += 2) rows_pass<2>(xr, rows, k, w + n * k, o + (n - c0), ld);
       for (; n < c1; ++n) rows_pass<1>(xr, rows, k, w + n * k, o + (n - c0), ld);
       if (rounded != nullptr)

@@ -103,9 +103,9 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
                  bool vbmi);
 // Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations: 16 lanes of k-pairs, then
 // the fixed tree. With `rounded` the results go to it as bf16 (rounded as .to(bfloat16) rounds, NaN as 0x7FC0;
-// `out` unused), else to `out` as float.
+// `out` unused), else to `out` as float. `one_row_passes`: one weight row a pass at every row count (the same bits).
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
-               uint16_t* rounded, int64_t ldo);
+               uint16_t* rounded, int64_t ldo, bool one_row_passes);
 }
 
 // The AMX path (gemm_amx.cpp): int4 weights with bf16 activations on tiles, group sizes a multiple of 32,

@@ -8,6 +8,8 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <atomic>
 #include <vector>
@@ -43,6 +45,26 @@ bool host_vbmi() {  // read once: vbmi_decoding runs on every int4 call
 bool set_vbmi(bool allowed) {
   g_vbmi_allowed.store(allowed);
   return allowed && host_vbmi();
+}
+
+// Up to how many rows the row-major bf16 kernel of the avx512_bf16 path passes over one weight row at a time rather
+// than two (gemm_avx512bf16.cpp, bf16_rows): up to a verification's 9 on AMD Zen 5 and later (family 26 on), where
+// that was measured faster; never elsewhere (the pairs were measured faster on Zen 4). The same bits either way.
+int64_t host_one_row_passes() {
+  __builtin_cpu_init();
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+  const unsigned base = (eax >> 8) & 0xF, family = base + (base == 0xF ? (eax >> 20) & 0xFF : 0);
+  return family >= 0x1A ? 9 : 0;
+}
+
+std::atomic<int64_t> g_one_row_passes{host_one_row_passes()};
+
+// rows < 0: the host's choice again. Returns the value in effect.
+int64_t set_one_row_passes(int64_t rows) {
+  const int64_t value = rows < 0 ? host_one_row_passes() : rows;
+  g_one_row_passes.store(value);
+  return value;
 }
 
 bool vbmi_decoding(int64_t group) { return g_vbmi_allowed.load() && host_vbmi() && group % 8 == 0; }
@@ -202,8 +224,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
     auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const bool one_row = m <= g_one_row_passes.load();
     balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
-      for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, nullptr, op, n);
+      for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, nullptr, op, n, one_row);
     });
     return out;
   }
@@ -294,6 +317,7 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("isa_level() -> int", &get_level);
   m.def("host_isa_level() -> int", &get_host_level);
   m.def("set_vbmi(bool allowed) -> bool", &set_vbmi);
+  m.def("set_one_row_passes(int rows) -> int", &set_one_row_passes);
   m.def("int4_numerics_version() -> int", [] { return KVB_INT4_NUMERICS_VERSION; });
   // How many tensors share t's memory, any device (c10's use count of its storage): kvboost_hf.cache.buffer reuses a
   // KV buffer's rows after a crop only where no other view of them is alive.

@@ -41,6 +41,7 @@ from kvboost_hf.kernels.ops import (
     linear,
     loaded,
     select_isa,
+    set_one_row_passes,
     set_vbmi,
 )
 
@@ -66,5 +67,5 @@ __all__ = [
     "ISA_LEVELS", "DenseBlocks", "Int4Blocks", "Int8Blocks", "KernelLinear", "KernelStatus", "available",
     "current_isa", "dense_linear", "fuse_decoder", "fuse_layers", "host_isa", "int4_groups", "int4_linear",
     "int4_numerics", "int4_qweight", "int8_linear", "linear", "pack_dense", "pack_int4", "pack_int8", "select_isa",
-    "set_vbmi", "tile_layout", "unfuse_decoder", "unfuse_layers", "unpack_int4",
+    "set_one_row_passes", "set_vbmi", "tile_layout", "unfuse_decoder", "unfuse_layers", "unpack_int4",
 ]

@@ -83,6 +83,18 @@ def set_vbmi(allowed: bool) -> bool:
     return bool(torch.ops.kvboost.set_vbmi(bool(allowed)))
 
 
+def set_one_row_passes(rows: int | None) -> int:
+    """Make the avx512_bf16 path's row-major bf16 kernel (an int4 model's LM head) pass over one weight row at a
+    time for forwards of at most ``rows`` rows, two weight rows from 4 rows on beyond that; ``None``: this host's
+    choice (up to 9 rows on AMD Zen 5 and later, where it was measured faster; 0 elsewhere). The same bits either
+    way; for tests and benchmarks of both passes on any host. Returns the value now in effect."""
+    if load_library().library is None:
+        raise RuntimeError("kvboost_hf kernels are not built: see kvboost_hf.kernels.available()")
+    if rows is not None and (not isinstance(rows, int) or rows < 0):
+        raise ValueError(f"set_one_row_passes(rows=...) takes a row count >= 0 or None, got {rows!r}")
+    return int(torch.ops.kvboost.set_one_row_passes(-1 if rows is None else rows))
+
+
 def int4_numerics() -> str:
     """The name of the bits the int4 op computes now (bf16 activations, as AWQ linears give it): the
     avx512_bf16 path has its own (``vdpbf16ps``, scale per group); amx_bf16 too (``TDPBF16PS``), named with a

@@ -4,6 +4,7 @@ falling back to the best path there is on CPUs without them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvboost_hf import kernels
@@ -164,8 +165,12 @@ def test_the_avx512_bf16_row_major_path_is_its_definition(built):
         out = kernels.linear(x, weight)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, emulated_bf16_rows(x, weight).to(torch.bfloat16))
-        for m in (1, 2, 5, 6, 9, 10, 19):  # passes of 6 rows and more prefetch the weight
-            assert torch.equal(kernels.linear(x[:m], weight), out[:m]), m
+        for passes in (0, 9, 20):  # one weight row a pass up to that many rows (two from 4 rows on beyond)
+            kernels.set_one_row_passes(passes)
+            assert torch.equal(kernels.linear(x, weight), out), passes
+            for m in (1, 2, 4, 5, 6, 9, 10, 19):
+                assert torch.equal(kernels.linear(x[:m], weight), out[:m]), (passes, m)
+        kernels.set_one_row_passes(None)
         kernels.select_isa("avx512")  # float32 activations, or another path: the float32 order
         assert torch.equal(kernels.linear(x, weight), kernels.linear(x.float(), weight).to(torch.bfloat16))
         if has_path(built, "amx_bf16"):  # AMX changes int4 only: row-major bf16 weights as avx512_bf16
@@ -173,6 +178,28 @@ def test_the_avx512_bf16_row_major_path_is_its_definition(built):
             assert torch.equal(kernels.linear(x, weight), out)
     finally:
         kernels.select_isa(None)
+        kernels.set_one_row_passes(None)
+
+
+def cpuinfo_field(name: str) -> str:
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.split(":")[0].strip() == name:
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def test_one_row_passes_are_the_hosts_choice_until_set(built):
+    """Up to 9 rows on AMD from family 26 (Zen 5) on, where one weight row a pass was measured faster; 0 elsewhere."""
+    zen5 = cpuinfo_field("vendor_id") == "AuthenticAMD" and int(cpuinfo_field("cpu family") or 0) >= 26
+    host = kernels.set_one_row_passes(None)
+    assert host == (9 if zen5 else 0)
+    try:
+        assert kernels.set_one_row_passes(3) == 3
+        with pytest.raises(ValueError, match="row count >= 0 or None"):
+            kernels.set_one_row_passes(-1)
+    finally:
+        assert kernels.set_one_row_passes(None) == host
 
 
 def test_the_row_major_bf16_chunks_run_in_the_defined_order(built):
@@ -198,12 +225,15 @@ def test_the_row_major_bf16_chunks_run_in_the_defined_order(built):
     assert bool((backwards != 0).all())  # and the chunks backwards do not
     try:
         kernels.select_isa("avx512_bf16")
-        for m in (1, 2, 3, 4, 5, 9, 10, 30):
-            for r0 in range(0, rows, m):
-                got = kernels.linear(x[r0:r0 + m], weight)
-                assert torch.equal(got.view(torch.int16), want[r0:r0 + m].view(torch.int16)), (m, r0)
+        for passes in (0, 30):
+            kernels.set_one_row_passes(passes)
+            for m in (1, 2, 3, 4, 5, 9, 10, 30):
+                for r0 in range(0, rows, m):
+                    got = kernels.linear(x[r0:r0 + m], weight)
+                    assert torch.equal(got.view(torch.int16), want[r0:r0 + m].view(torch.int16)), (passes, m, r0)
     finally:
         kernels.select_isa(None)
+        kernels.set_one_row_passes(None)
 
 
 def test_the_amx_path_keeps_rows_independent_and_differs_only_where_it_says(built):
@@ -279,8 +309,11 @@ def test_the_row_major_bf16_trees_add_the_lanes_in_the_defined_pairs(built):
     assert float((want.float().abs() == 1).float().mean()) > 0.1
     try:
         kernels.select_isa("avx512_bf16")
-        for m in (1, 3, 4, 9, 16, 48):
-            for r0 in range(0, rows, m):
-                assert torch.equal(kernels.linear(x[r0:r0 + m], weight), want[r0:r0 + m]), (m, r0)
+        for passes in (0, 48):
+            kernels.set_one_row_passes(passes)
+            for m in (1, 3, 4, 9, 16, 48):
+                for r0 in range(0, rows, m):
+                    assert torch.equal(kernels.linear(x[r0:r0 + m], weight), want[r0:r0 + m]), (passes, m, r0)
     finally:
         kernels.select_isa(None)
+        kernels.set_one_row_passes(None)
