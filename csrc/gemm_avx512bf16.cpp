@@ -45,7 +45,8 @@ inline __m512 close_group(__m512 acc, __m512 t, __m512 s, __m512 z, float xs) {
 // codes decoded by VbmiCodes (the group size a multiple of 8). Each 64 bytes read of a block prefetches
 // the same bytes of the block NB further on (the next tile's): a block's K x 8 bytes are too short a
 // stream for the hardware prefetcher to get ahead when the weights come from DRAM (a decode step).
-template <int MR, int NB, bool VBMI>
+// SUMS_OUT: the running sums kept in the output between groups rather than in registers (see few_rows).
+template <int MR, int NB, bool VBMI, bool SUMS_OUT = false>
 inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t* q, int64_t qstride,
                        const float* scales, const float* zeros, int64_t sstride, int64_t group, const float* xs,
                        int64_t groups, float* out, int64_t ldo, const VbmiCodes& codes) {
@@ -76,7 +77,20 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
             _mm_prefetch(reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i), _MM_HINT_T0);
           }
         }
+#pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
+          if constexpr (SUMS_OUT) {  // many rows: each block's pair decoded once, then a row's activations at a time
+            __m512bh w[NB];
+#pragma GCC unroll 4
+            for (int b = 0; b < NB; ++b) w[b] = (__m512bh)codes.pair(src[b], c);
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; ++r) {
+              const __m512bh xv = (__m512bh)x_pair(x + r * ldx + i + 2 * c);
+#pragma GCC unroll 4
+              for (int b = 0; b < NB; ++b) t[r][b] = _mm512_dpbf16_ps(t[r][b], xv, w[b]);
+            }
+            continue;
+          }
           __m512i pair[MR];
           for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i + 2 * c);
           for (int b = 0; b < NB; ++b) {
@@ -105,11 +119,20 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
     for (int b = 0; b < NB; ++b) {
       const __m512 s = _mm512_loadu_ps(scales + b * sstride + 16 * gi);
       const __m512 z = _mm512_loadu_ps(zeros + b * sstride + 16 * gi);
-      for (int r = 0; r < MR; ++r) acc[r][b] = close_group(acc[r][b], t[r][b], s, z, xs[r * groups + gi]);
+      for (int r = 0; r < MR; ++r) {
+        if constexpr (SUMS_OUT) {  // the running sums through the output, as in `tile` (0 + -0 is +0 there too)
+          float* o = out + r * ldo + 16 * b;
+          const __m512 sum = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
+          _mm512_storeu_ps(o, close_group(sum, t[r][b], s, z, xs[r * groups + gi]));
+        } else {
+          acc[r][b] = close_group(acc[r][b], t[r][b], s, z, xs[r * groups + gi]);
+        }
+      }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * ldo + 16 * b, acc[r][b]);
+  if constexpr (!SUMS_OUT)
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * ldo + 16 * b, acc[r][b]);
 }
 
 // Many rows: NB blocks' codes decoded once into `strip` (block b's at strip + 8 K b), then every tile of MR rows
@@ -306,26 +329,36 @@ constexpr int64_t kFusedRows[2] = {4, 12};
 
 int64_t strip_words(int64_t m, int64_t k, bool vbmi) { return m > kFusedRows[vbmi] ? 4 * k * 8 : 0; }
 
-// One block (four for one or two rows, two for 3 to 8), `b` advanced past all but the last; m <= kFusedRows[VBMI].
+// One block (four for one or two rows, two for 3 to 11), `b` advanced past all but the last; m <= kFusedRows[VBMI].
 // Each tile's chains, rows x blocks, are what hides vdpbf16ps's latency: 3 to 8 rows on two blocks against one,
 // alternated in one process on Zen 5 (Gemma-3-270M's shapes, in cache, the same bits): 1.22-1.50x, with VBMI or
-// without; from 9 rows on, two blocks' chains and sums no longer fit the 32 registers (9 rows: 0.83-0.88x), and
-// splitting the rows into two tiles of two blocks decodes the codes twice (1.0-1.03x).
+// without. From 9 rows on, two blocks' chains and running sums no longer fit the 32 registers (9 rows: 0.83-0.88x),
+// and splitting the rows into two tiles of two blocks decodes the codes twice (1.0-1.03x); with the running sums
+// kept in the output between groups (SUMS_OUT, as `tile` does) and each block's pair decoded before the rows'
+// activations are read, two blocks at 9 to 11 rows (VBMI) take Gemma's 72 GEMMs from 3.52 / 3.68 / 4.16 ms to
+// 3.07 / 3.36 / 3.75 (Zen 5, alternated in one process, 15 rounds; 3.24 -> 2.75 ms at 9 rows in cache: bound by
+// the arithmetic); at 12 rows 0.97x, and three blocks at 9 rows 0.89x.
 template <bool VBMI>
 void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_t qstride, const float* sb,
               const float* zb, int64_t sstride, int64_t group, const float* xs, int64_t groups, float* ob, int64_t ldo,
               int64_t& b, int64_t b1, const VbmiCodes& codes) {
-  const int64_t blocks = m <= 2 && b + 4 <= b1 ? 4 : m >= 3 && m <= 8 && b + 2 <= b1 ? 2 : 1;
+  const int64_t blocks = m <= 2 && b + 4 <= b1 ? 4 : m >= 3 && m <= 11 && b + 2 <= b1 ? 2 : 1;
   auto fused = [&](auto rows, auto nb) {
     tile_fused<decltype(rows)::value, decltype(nb)::value, VBMI>(x, k, k, qb, qstride, sb, zb, sstride, group, xs,
                                                                   groups, ob, ldo, codes);
   };
-  if (blocks == 4)
+  if (blocks == 4) {
     with_rows<1, 2>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 4>{}); });
-  else if (blocks == 2)
+  } else if (blocks == 2 && m <= 8) {
     with_rows<3, 8>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 2>{}); });
-  else
+  } else if (blocks == 2) {  // 9 to 11 rows (VBMI only: kFusedRows[false] is 4)
+    with_rows<9, 11>(m, [&](auto rows) {
+      tile_fused<decltype(rows)::value, 2, VBMI, true>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob,
+                                                       ldo, codes);
+    });
+  } else {
     with_rows<1, kFusedRows[VBMI]>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 1>{}); });
+  }
   b += blocks - 1;
 }
 
