@@ -194,9 +194,11 @@ void row_tiles(const uint16_t* x, int64_t m, int64_t k, const uint32_t* strip, c
 // slower with it). Measured on the 262k x 640 head (2 threads, ~11 ms for one row): 9 rows 25 -> 12.7
 // ms, 4 rows 14.3 -> 11.4 ms (Zen 4). With `one_row_passes` (the caller's choice by host, ops.cpp) every pass takes
 // one weight row: on Zen 5, whose 512-bit loads and vdpbf16ps run at full width, such passes with their
-// non-temporal prefetch read the head at the one-row speed up to 9 rows, where the pairs' two prefetches into L2
-// and L1 fall behind (alternated in one process, 9 rounds: 4 rows 9.01 -> 6.68 ms, 6 rows 8.95 -> 7.01, 9 rows
-// 8.66 -> 6.86; from 12 rows, two passes over each chunk, the pairs stay ahead: 12 rows 0.97x, 17 rows 0.95x).
+// non-temporal prefetch read the head at the one-row speed up to 9 rows while memory is slow, where the pairs' two
+// prefetches into L2 and L1 fall behind. Alternated in one process against the pairs (9 rounds, one row 6.7 ms):
+// 4 rows 8.89 -> 6.67 ms, 6 rows 8.25 -> 6.69, 9 rows 8.62 -> 6.84. In a spell of faster memory (one row 4.2 ms)
+// 4 and 6 rows still gained 1.31x / 1.16x, but 9 rows lost (5.35 -> 5.76 ms: there the extra activation loads
+// bound the passes). From 12 rows (two passes over each chunk) the pairs stay ahead: 12 rows 0.97x, 17 rows 0.95x.
 constexpr int kPairRows = 4;
 // Into L1 8 weight rows ahead here, not KVB_NK_AHEAD_L1's 4: the 262k x 640 head at 9 rows on Zen 5, alternated in
 // one process (10 rounds): 1.057x (12 ahead 1.049x; 2 or 4 ahead into L1 with 8-64 into L2 0.95-1.04x).
@@ -242,7 +244,7 @@ inline void tile_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t*
 
 // A pass of one weight row, out of line: inlined into bf16_rows beside the pair passes, GCC 12 ran short of registers
 // at 9 rows (the row pointers reloaded from the stack and each weight vector bounced through it, every step), and
-// the head at 9 rows took 10.8 ms where out of line it takes 7.1.
+// the head's 9 rows took 10.8 ms in one-row passes against 9.2 in pairs (the same process); out of line, 6.8-7.1.
 template <int MR>
 __attribute__((noinline)) void one_row_pass(const uint16_t* x, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
   tile_rows<MR, 1>(x, k, k, w, out, ldo);
