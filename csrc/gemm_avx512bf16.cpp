@@ -50,6 +50,7 @@ template <int MR, int NB, bool VBMI, bool SUMS_OUT = false>
 inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t* q, int64_t qstride,
                        const float* scales, const float* zeros, int64_t sstride, int64_t group, const float* xs,
                        int64_t groups, float* out, int64_t ldo, const VbmiCodes& codes) {
+  static_assert(!SUMS_OUT || (VBMI && MR > 2), "SUMS_OUT decodes with VbmiCodes, from raw (not gathered) codes");
   const __m512i table = code_table();
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
@@ -353,11 +354,12 @@ void few_rows(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qb, int64_
     with_rows<1, 2>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 4>{}); });
   } else if (blocks == 2 && m <= 8) {
     with_rows<3, 8>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 2>{}); });
-  } else if (blocks == 2) {  // 9 to 11 rows (VBMI only: kFusedRows[false] is 4)
-    with_rows<9, 11>(m, [&](auto rows) {
-      tile_fused<decltype(rows)::value, 2, VBMI, true>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob,
-                                                       ldo, codes);
-    });
+  } else if (blocks == 2) {  // 9 to 11 rows: VBMI only (kFusedRows[false] is 4)
+    if constexpr (VBMI)
+      with_rows<9, 11>(m, [&](auto rows) {
+        tile_fused<decltype(rows)::value, 2, VBMI, true>(x, k, k, qb, qstride, sb, zb, sstride, group, xs, groups, ob,
+                                                         ldo, codes);
+      });
   } else {
     with_rows<1, kFusedRows[VBMI]>(m, [&](auto rows) { fused(rows, std::integral_constant<int, 1>{}); });
   }

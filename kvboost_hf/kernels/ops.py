@@ -88,10 +88,10 @@ def set_one_row_passes(rows: int | None) -> int:
     time for forwards of at most ``rows`` rows, two weight rows from 4 rows on beyond that; ``None``: this host's
     choice (up to 9 rows on AMD Zen 5 and later, where it was measured faster; 0 elsewhere). The same bits either
     way; for tests and benchmarks of both passes on any host. Returns the value now in effect."""
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**31):
+        raise ValueError(f"set_one_row_passes(rows=...) takes a row count >= 0 or None, got {rows!r}")
     if load_library().library is None:
         raise RuntimeError("kvboost_hf kernels are not built: see kvboost_hf.kernels.available()")
-    if rows is not None and (not isinstance(rows, int) or rows < 0):
-        raise ValueError(f"set_one_row_passes(rows=...) takes a row count >= 0 or None, got {rows!r}")
     return int(torch.ops.kvboost.set_one_row_passes(-1 if rows is None else rows))
 
 

@@ -83,6 +83,32 @@ def test_the_avx512_bf16_path_is_its_definition_and_keeps_rows_independent(built
         kernels.set_vbmi(True)
 
 
+def test_the_avx512_bf16_int4_sums_start_from_plus_zero_in_every_tile(built):
+    """acc = +0, then + s * (t - z * xs) per group: with zero activations and negative scales every group adds -0,
+    so the output is +0 only where the sums start from +0 (a tile starting from -0, or from memory left in the
+    output, shows here). Every row count's tile (registers with their sums in registers or in the output, strips;
+    VBMI or not), 7 blocks (pairs and one alone), 4 groups."""
+    if not has_path(built, "avx512_bf16"):
+        return  # the fallback is tested above
+    k, group, n = 256, 64, 104
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+    scales = -(torch.rand(k // group, n, generator=gen) * 0.02 + 0.001)
+    blocks = kernels.pack_int4(codes, zeros, scales, group)
+    x = torch.zeros(70, k, dtype=torch.bfloat16)
+    try:
+        kernels.select_isa("avx512_bf16")
+        for vbmi in (True, False):
+            kernels.set_vbmi(vbmi)
+            for m in (*range(1, 14), 16, 70):
+                bits = kernels.int4_linear(x[:m], blocks).view(torch.int16)
+                assert bool((bits == 0).all()), (vbmi, m)
+    finally:
+        kernels.select_isa(None)
+        kernels.set_vbmi(True)
+
+
 def set_order_trap(row: torch.Tensor, first: int, later: int, e: int, sign: float = 1.0) -> None:
     """In ``row`` (float32), the k-pair at ``first`` (its even k) gets sign 2^e at its odd k and sign 2^(e-24) at
     its even k (absorbed: a tie, to even), the pair at ``later`` -sign 2^e at its odd k. Summed odd k first, pairs
@@ -196,8 +222,9 @@ def test_one_row_passes_are_the_hosts_choice_until_set(built):
     assert host == (9 if zen5 else 0)
     try:
         assert kernels.set_one_row_passes(3) == 3
-        with pytest.raises(ValueError, match="row count >= 0 or None"):
-            kernels.set_one_row_passes(-1)
+        for wrong in (-1, True, 2.0, 2**40):
+            with pytest.raises(ValueError, match="row count >= 0 or None"):
+                kernels.set_one_row_passes(wrong)
     finally:
         assert kernels.set_one_row_passes(None) == host
 
