@@ -11,6 +11,7 @@ namespace {
 
 constexpr int64_t kRowTile = 6;
 constexpr int64_t kNkRowTile = kRowTile;
+constexpr bool kKvbWide = false;  // 16 registers
 constexpr int64_t kNkPairRows = 0;  // two weight rows per pass spill (a V16 is 2 of 16 registers): 1.4x slower
 // Every pass (at most kNkRowTile rows) prefetches its weight rows into L2: the 262k x 640 bf16 head from DRAM,
 // two threads, Zen 3, ABBA processes over 6 rounds (kernel_sources_ab.py --head): 6 rows 1.27x (1.17-1.63),

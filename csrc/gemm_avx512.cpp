@@ -10,6 +10,7 @@ namespace {
 
 constexpr int64_t kRowTile = KVB_MAX_ROW_TILE;
 constexpr int64_t kNkRowTile = 9;  // a 9-row verification in one pass
+constexpr bool kKvbWide = true;  // 32 registers: wider attention chains (attention_body.inc)
 constexpr int64_t kNkPairRows = 6;  // 2 weight rows: 18 accumulators + 2 weights + x in 32 registers
 constexpr int kNkPrefetchBelow = 6;  // passes of 6+ rows take two weight rows, which prefetch
 constexpr int kSmallBlocks = 4;

@@ -9,6 +9,7 @@ namespace {
 
 constexpr int64_t kRowTile = KVB_MIN_ROW_TILE;
 constexpr int64_t kNkRowTile = kRowTile;
+constexpr bool kKvbWide = false;  // no vector registers
 constexpr int64_t kNkPairRows = 0;  // one weight row per pass
 constexpr int kNkPrefetchBelow = 6;
 constexpr int kSmallBlocks = 1;
