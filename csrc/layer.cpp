@@ -68,7 +68,7 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
   shape.push_back(p.out);
   const int64_t rows = columns.size(0), ld = columns.size(1);
   at::Tensor y;
-  if (rows * p.out > (dtype == at::kBFloat16 ? kvb_bf16_loop_elements() : kKvbLoopElements)) {  // torch's casts
+  if (rows * p.out > kvb_loop_elements(dtype)) {  // torch's vectorized casts, the same roundings
     y = columns.narrow(1, offset, p.out).to(at::kBFloat16).to(dtype).reshape(shape);
   } else {
     y = at::empty(shape, columns.options().dtype(dtype));
@@ -86,11 +86,10 @@ at::Tensor projection(const at::Tensor& columns, int64_t offset, const Int4Proj&
 }
 
 // a + b (or a * b) of one shape, dtype and contiguous layout, as torch's add (mul) computes it on that dtype: in
-// float32, rounded once to the dtype. A loop up to kvb_bf16_loop_elements() (bf16) or kKvbLoopElements elements,
-// torch's op beyond or for other layouts.
+// float32, rounded once to the dtype. A loop up to kvb_loop_elements(dtype) elements, torch's op beyond or for other
+// layouts.
 at::Tensor elementwise(const at::Tensor& a, const at::Tensor& b, bool product) {
-  const int64_t limit = a.scalar_type() == at::kBFloat16 ? kvb_bf16_loop_elements() : kKvbLoopElements;
-  if (a.numel() > limit || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() ||
+  if (a.numel() > kvb_loop_elements(a.scalar_type()) || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() ||
       !a.is_contiguous() || !b.is_contiguous() ||
       (a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kFloat))
     return product ? at::mul(a, b) : at::add(a, b);
@@ -186,7 +185,7 @@ std::array<int64_t, 3> broadcast_strides(const at::Tensor& t, int64_t batch, int
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.size(3) % 2 == 0, "RoPE needs an even head_dim, got ", x.size(3));
-  if (x.numel() > (x.scalar_type() == at::kBFloat16 ? kvb_bf16_loop_elements() : kKvbLoopElements)) {  // torch's ops
+  if (x.numel() > kvb_loop_elements(x.scalar_type())) {  // transformers' apply_rotary_pos_emb, op for op
     const int64_t half = x.size(3) / 2;
     const at::Tensor rotated = at::cat({at::neg(x.narrow(3, half, half)), x.narrow(3, 0, half)}, 3);
     return at::add(at::mul(x, cos.unsqueeze(1)), at::mul(rotated, sin.unsqueeze(1))).contiguous();

@@ -29,11 +29,13 @@ int64_t kvb_level();
 // Whether the ISA path in effect has AVX-512: the elementwise loops then run kvb_avx512's (the same bits).
 inline bool kvb_avx512_loops() { return kvb_level() >= kAvx512; }
 
-// Up to how many elements a bf16 elementwise step runs as our loop: kvb_avx512's vectorized ones up to 32768, below
-// which torch's ops run on one thread too (their grain), so the loops cost less at every such size (a 9-row
-// forward's gate/up rounding, gated product and residual adds, whose 9 x 2048 went to torch's ops); kKvbLoopElements
-// for the scalar loops.
-inline int64_t kvb_bf16_loop_elements() { return kvb_avx512_loops() ? 32768 : kKvbLoopElements; }
+// Up to how many elements an elementwise step on `dtype` runs as our loop: bf16 on kvb_avx512's vectorized loops up to
+// 32768, below which torch's ops run on one thread too (their grain), so the loops cost less at every such size (a
+// 9-row forward's gate/up rounding, gated product and residual adds, whose 9 x 2048 went to torch's ops);
+// kKvbLoopElements for the scalar loops.
+inline int64_t kvb_loop_elements(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 && kvb_avx512_loops() ? 32768 : kKvbLoopElements;
+}
 
 // x[0, n) rounded to bf16 as .to(bfloat16) rounds (to nearest even, NaN to 0x7FC0): kvb_avx512's loop where the ISA
 // in effect has AVX-512, else c10::BFloat16's rounding one element at a time (the same bits).
