@@ -89,7 +89,8 @@ KVB_DECLARE_ISA(kvb_scalar)
 KVB_DECLARE_ISA(kvb_avx2)
 KVB_DECLARE_ISA(kvb_avx512)
 
-// The AVX-512 BF16 path: bf16 activations (bits as uint16), its own numerics (gemm_avx512bf16.cpp);
+// The AVX-512 BF16 path: bf16 activations (bits as uint16), its own numerics (int4: gemm_avx512bf16.cpp; the
+// row-major head: head_avx512bf16.cpp);
 // `strip` holds strip_words(m, k, vbmi) uint32 (four blocks' K x 16 codes as bf16 pairs, or none where
 // the rows are few enough to decode the codes in registers).
 namespace kvb_avx512bf16 {
@@ -101,7 +102,7 @@ void group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group, float* x
 void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* zeros,
                  int64_t group, const float* xs, int64_t b0, int64_t b1, float* out, int64_t ldo, uint32_t* strip,
                  bool vbmi);
-// Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations: 16 lanes of k-pairs, then
+// Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations (head_avx512bf16.cpp): 16 lanes of k-pairs, then
 // the fixed tree. With `rounded` the results go to it as bf16 (rounded as .to(bfloat16) rounds, NaN as 0x7FC0;
 // `out` unused), else to `out` as float. `one_row_passes`: one weight row a pass at every row count (the same bits).
 void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
@@ -146,6 +147,6 @@ constexpr int64_t KVB_MAX_ROW_TILE = 8;
 constexpr int64_t KVB_MIN_ROW_TILE = 4;
 
 // Row-major weights stream from DRAM: the passes that prefetch them (gemm_body.inc's tile_nk,
-// gemm_avx512bf16.cpp's tile_rows) fetch the weight row this many rows ahead into L2 and into L1.
+// head_avx512bf16.cpp's tile_rows) fetch the weight row this many rows ahead into L2 and into L1.
 constexpr int64_t KVB_NK_AHEAD_L2 = 16;
 constexpr int64_t KVB_NK_AHEAD_L1 = 4;

@@ -48,7 +48,7 @@ bool set_vbmi(bool allowed) {
 }
 
 // Up to how many rows the row-major bf16 kernel of the avx512_bf16 path passes over one weight row at a time rather
-// than two (gemm_avx512bf16.cpp, bf16_rows): up to a verification's 9 on AMD Zen 5 and later (family 26 on), where
+// than two (head_avx512bf16.cpp, bf16_rows): up to a verification's 9 on AMD Zen 5 and later (family 26 on), where
 // that was measured faster; never elsewhere (the pairs were measured faster on Zen 4). The same bits either way.
 int64_t host_one_row_passes() {
   __builtin_cpu_init();

@@ -26,9 +26,10 @@ from kvboost_hf.models.loading import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = ("ops.cpp", "row_ops.cpp", "layer.cpp", "decoder.cpp", "group_sums.cpp", "gemm_scalar.cpp",
-           "gemm_avx2.cpp", "gemm_avx512.cpp", "gemm_avx512bf16.cpp", "gemm_amx.cpp", "bf16_avx512.cpp")
+           "gemm_avx2.cpp", "gemm_avx512.cpp", "gemm_avx512bf16.cpp", "head_avx512bf16.cpp",
+           "gemm_amx.cpp", "bf16_avx512.cpp")
 HEADERS = ("kvboost_kernels.h", "ops.h", "threads.h", "gemm_body.inc", "attention_body.inc", "norm_body.inc",
-           "int4_codes.inc", "bf16_round.inc")
+           "int4_codes.inc", "bf16_round.inc", "with_rows.inc")
 # No auto-vectorization: the kernels vectorize by hand, and GCC 12's vectorizer (-O3, AVX-512 target)
 # was caught miscompiling an in-order float sum over even and odd elements (the even ones counted twice).
 CFLAGS = ("-O3", "-fno-tree-vectorize", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
