@@ -108,23 +108,34 @@ def per_pair(times: dict[str, list[float]], ratios: list[float], ratio: str) -> 
             f"{len(ratios)} pairs)")
 
 
-def memory_bandwidth_gbs(reps: int = 5, huge_pages: bool = False) -> float:
-    """This host's memory read speed now (a sum over 512 MB, the median of ``reps``): it drifts on shared hosts, and
-    a decode step that reads its whole head is bound by it, so runs are compared with it in view. ``huge_pages``:
-    the 512 MB on transparent huge pages (as our loaders place weights), where reading is not slowed by a TLB miss
-    every 4 KiB."""
-    big = torch.ones(128 * 1024 * 1024)
-    if huge_pages:
-        from kvboost_hf.models.huge_pages import back_with_huge_pages
+class BandwidthProbe:
+    """This host's memory read speed, measured again at each call: a sum over one 512 MB tensor, the median of
+    ``reps`` (GB/s). It drifts on shared hosts (one Zen 5 VM read 35-80 GB/s within a session), and a decode step
+    that reads its whole head is bound by it, so a run measures it beside its timings rather than once before them.
+    ``huge_pages``: the tensor on transparent huge pages (as our loaders place weights), where reading is not slowed
+    by a TLB miss every 4 KiB."""
 
-        back_with_huge_pages([big])
-    big.sum()
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        big.sum()
-        seconds.append(time.perf_counter() - start)
-    return big.numel() * 4 / median(seconds) / 1e9
+    def __init__(self, huge_pages: bool = False, reps: int = 5) -> None:
+        self.reps = reps
+        self.big = torch.ones(128 * 1024 * 1024)
+        if huge_pages:
+            from kvboost_hf.models.huge_pages import back_with_huge_pages
+
+            back_with_huge_pages([self.big])
+        self.big.sum()
+
+    def __call__(self) -> float:
+        seconds = []
+        for _ in range(self.reps):
+            start = time.perf_counter()
+            self.big.sum()
+            seconds.append(time.perf_counter() - start)
+        return self.big.numel() * 4 / median(seconds) / 1e9
+
+
+def memory_bandwidth_gbs(reps: int = 5, huge_pages: bool = False) -> float:
+    """One :class:`BandwidthProbe` reading (its 512 MB freed after)."""
+    return BandwidthProbe(huge_pages, reps)()
 
 
 def environment() -> dict:

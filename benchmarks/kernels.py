@@ -25,6 +25,10 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   prompt, on a cache that appends in place (``BufferedCache``, as a draft's ``ChunkReuseCache`` in
   speculation): one token alone ("step"), and a token of an 8-token round as speculation drafts it
   ("round8_token": the decoder's layers checked once a round, ``plan_held``). Greedy continuations are compared.
+  After one untimed rep, each rep of the whole model also reads the bandwidth probe again (huge pages), and the targets' ratios are taken
+  per rep, then their median and range: the step's share of its floor (the bytes a step reads, the decoder's layers
+  and the head, at that rep's probe), the 9-row exact forward, the draft token and the prefill against the step or the
+  float model of the same rep (memory speed moves within a run: ratios of medians taken minutes apart mislead).
 
     python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2] [--name kernels]
 
@@ -50,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import (  # noqa: E402
-    DOCS_BENCH, ForwardTimes, environment, median, memory_bandwidth_gbs, packed_gemma, write_json)
+    DOCS_BENCH, BandwidthProbe, ForwardTimes, environment, median, memory_bandwidth_gbs, packed_gemma, write_json)
 
 ROWS = (1, 4, 9, 16, 64, 256)
 SHAPES = {"q_proj 1024x640": (1024, 640), "gate/up 2048x640": (2048, 640), "down 640x2048": (640, 2048)}
@@ -151,6 +155,7 @@ def whole_model(reps: int) -> dict:
         return cache
 
     times = ForwardTimes(prompt, long, prefilled)
+    probe, bandwidth = BandwidthProbe(huge_pages=True, reps=3), []
 
     # HF's RMSNorm modules of the float model (bf16(w), where the packed checkpoint holds bf16(fp16(w)):
     # the same ops and shapes, for timing only; "GEMMs only" logits are not compared).
@@ -163,7 +168,13 @@ def whole_model(reps: int) -> dict:
                 "torch": (models["torch"], True), "bf16 float": (models["bf16 float"], True)}
     samples = {name: {"step": [], "verify9": [], "verify9_exact": [], "prefill256": []} for name in settings}
     samples["int4 self-draft"] = {"step": [], "round8_token": []}
+    for name, (m, mode) in settings.items():  # untimed: a process's first forwards of a model run slow
+        switch(m, mode)
+        times.step(m), times.verify(m, exact=True), times.prefill(m)
+    switch(models["kvboost"], True)
+    draft_round(draft, times)
     for _ in range(reps):
+        bandwidth.append(probe())
         for name, (m, mode) in settings.items():
             switch(m, mode)
             samples[name]["step"].append(times.step(m) * 1e3)
@@ -175,8 +186,36 @@ def whole_model(reps: int) -> dict:
         samples["int4 self-draft"]["round8_token"].append(draft_round(draft, times) * 1e3)
     text = {name: m.generate(prompt[:, :64], max_new_tokens=24, do_sample=False)[0, 64:].tolist()
             for name, m in models.items()}
+    del probe
     return {"ms": {name: {k: median(v) for k, v in s.items()} for name, s in samples.items()},
+            "bandwidth_huge_gbs_per_rep": bandwidth, "step_bytes": step_bytes(models["kvboost"]),
+            "targets": target_ratios(samples, bandwidth, step_bytes(models["kvboost"])),
             "greedy_same_as_torch_int4": {name: t == text["torch"] for name, t in text.items()}}
+
+
+def step_bytes(model) -> int:
+    """Bytes a decode step reads at least: every tensor of the decoder's layers (each storage once) and the head."""
+    seen, total = set(), 0
+    tensors = [*model.get_decoder().layers.parameters(), *model.get_decoder().layers.buffers(),
+               model.get_output_embeddings().weight]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def target_ratios(samples: dict, bandwidth: list[float], nbytes: int) -> dict:
+    """Issue 26's ratios, each taken within one rep and then summarized (median, min, max over the reps)."""
+    ours, draft, fp = samples["kvboost"], samples["int4 self-draft"], samples["bf16 float"]
+    per_rep = {
+        "step_floor_share": [nbytes / (gbs * 1e9) * 1e3 / ms for gbs, ms in zip(bandwidth, ours["step"])],
+        "verify9_exact_over_step": [v / s for v, s in zip(ours["verify9_exact"], ours["step"])],
+        "draft_round8_token_over_step": [d / s for d, s in zip(draft["round8_token"], ours["step"])],
+        "prefill256_over_float": [p / f for p, f in zip(ours["prefill256"], fp["prefill256"])],
+    }
+    return {name: {"median": median(v), "min": min(v), "max": max(v)} for name, v in per_rep.items()}
 
 
 def draft_round(draft, times, tokens: int = 8) -> float:
@@ -283,6 +322,11 @@ def report(path: str, r: dict) -> None:
         print(f"{name:32s} " + "  ".join(f"{k} {v:8.3f}" for k, v in row.items() if not k.endswith("bytes")))
     for name, row in r["model"]["ms"].items():
         print(f"{name:34s} " + "  ".join(f"{k} {v:7.1f} ms" for k, v in row.items()))
+    probes = r["model"]["bandwidth_huge_gbs_per_rep"]
+    print(f"probe beside the reps {min(probes):.1f}-{max(probes):.1f} GB/s; a step reads "
+          f"{r['model']['step_bytes'] / 1e6:.0f} MB; per-rep ratios (median, range):")
+    for name, v in r["model"]["targets"].items():
+        print(f"  {name:30s} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})")
     print("greedy as torch int4:", r["model"]["greedy_same_as_torch_int4"])
 
 
