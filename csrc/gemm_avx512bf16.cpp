@@ -62,11 +62,17 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
         __m512i src[NB];
         for (int b = 0; b < NB; ++b) {
           src[b] = _mm512_loadu_si512(q + b * qstride + 8 * i);
-          // One or two rows consume a block fast: the next tile's bytes into L2 only (measured faster
-          // from DRAM than into L1); more rows into L1.
+          // One or two rows (a decode step, a draft token) consume a block fast: the next tile's bytes
+          // non-temporal, so that weights read once a forward stay out of the L3 that holds what the
+          // next calls read (the KV cache, norms, the interpreter's objects). Alternated in one process on
+          // Zen 5 against into L2 (_MM_HINT_T1, itself measured faster than into L1): right after a prefill
+          // (benchmarks/kernels.py's samples) a 32k-head draft token 1.09-1.13x, a decode step 1.06-1.07x;
+          // in whole greedy generate calls (64 tokens, 24 back-to-back pairs) plain 1.013x, head-draft
+          // speculation 1.019x, a draft token in a steady loop 1.02-1.05x. More rows into L1 (non-temporal
+          // there too: 0.99x of that; the int8 draft head's blocks non-temporal too lost part of the gain).
           if constexpr (MR <= 2) {
             src[b] = shifted.gathered(src[b]);
-            _mm_prefetch(reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i), _MM_HINT_NTA);
           } else {
             _mm_prefetch(reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i), _MM_HINT_T0);
           }
@@ -101,9 +107,14 @@ inline void tile_fused(const uint16_t* x, int64_t ldx, int64_t k, const uint8_t*
       for (int64_t i = g0; i < g0 + group; i += 2) {
         __m512i pair[MR];
         for (int r = 0; r < MR; ++r) pair[r] = x_pair(x + r * ldx + i);
-        if (i % 8 == 0)
-          for (int b = 0; b < NB; ++b)
-            _mm_prefetch(reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i), _MM_HINT_T0);
+        if (i % 8 == 0)  // as above: one or two rows non-temporal (without VBMI on Zen 5: 1.07x / 1.05x)
+          for (int b = 0; b < NB; ++b) {
+            const char* next = reinterpret_cast<const char*>(q + (b + NB) * qstride + 8 * i);
+            if constexpr (MR <= 2)
+              _mm_prefetch(next, _MM_HINT_NTA);
+            else
+              _mm_prefetch(next, _MM_HINT_T0);
+          }
         for (int b = 0; b < NB; ++b) {
           const __m512bh w = (__m512bh)code_pair(q + b * qstride + 8 * i, table);
           for (int r = 0; r < MR; ++r) t[r][b] = _mm512_dpbf16_ps(t[r][b], (__m512bh)pair[r], w);
