@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -80,3 +81,11 @@ using KvbLayerStep = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double,
     const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, const at::Tensor&, const at::Tensor&, int64_t,
     int64_t, double, int64_t);
+
+// torch.ops.kvboost.decoder_step's kernel signature (decoder.cpp), for typed calls through the dispatcher.
+using KvbDecoderStep = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>(
+    const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef, at::IntArrayRef,
+    const c10::List<std::optional<at::Tensor>>&, const c10::List<std::optional<at::Tensor>>&, at::ArrayRef<double>,
+    const c10::List<std::optional<at::Tensor>>&, at::ArrayRef<double>, at::IntArrayRef, const std::vector<std::string>&,
+    at::ArrayRef<double>, at::IntArrayRef, at::IntArrayRef, at::TensorList, at::TensorList, at::TensorList,
+    at::TensorList, at::IntArrayRef, at::IntArrayRef);

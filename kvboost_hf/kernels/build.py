@@ -25,7 +25,7 @@ from kvboost_hf.models.loading import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("ops.cpp", "row_ops.cpp", "layer.cpp", "decoder.cpp", "group_sums.cpp", "gemm_scalar.cpp",
+SOURCES = ("ops.cpp", "row_ops.cpp", "layer.cpp", "decoder.cpp", "draft.cpp", "group_sums.cpp", "gemm_scalar.cpp",
            "gemm_avx2.cpp", "gemm_avx512.cpp", "gemm_avx512bf16.cpp", "head_avx512bf16.cpp",
            "gemm_amx.cpp", "bf16_avx512.cpp")
 HEADERS = ("kvboost_kernels.h", "ops.h", "threads.h", "gemm_body.inc", "attention_body.inc", "norm_body.inc",

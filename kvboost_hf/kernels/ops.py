@@ -218,3 +218,13 @@ def _register_fakes() -> None:
         return hidden.new_empty(hidden.shape), keys, [torch.empty_like(k) for k in keys]
 
     torch.library.register_fake("kvboost::decoder_step")(decoder_step)
+
+    def draft_round(first, steps, embedding, embed_scale, final_norm, final_eps, head_q, head_scales, head_n,
+                    head_tokens, ends_at, qweights, sides, outs, groups, biases, norms, eps, head_norms, head_eps,
+                    head_dims, *args):
+        n = torch.library.get_ctx().new_dynamic_size(min=1, max=steps)  # (it stops after an end token)
+        keys = [embedding.new_empty((1, outs[7 * i + 1] // dim, n, dim)) for i, dim in enumerate(head_dims)]
+        return (head_q.new_empty((n,), dtype=torch.long), embedding.new_empty((1, n, embedding.shape[1])), keys,
+                [torch.empty_like(k) for k in keys])
+
+    torch.library.register_fake("kvboost::draft_round")(draft_round)

@@ -31,11 +31,13 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from kvboost_hf.kernels.draft_round import DraftRound, draft_round
 from kvboost_hf.kernels.plan import plan_held
 from kvboost_hf.models import attention
 from kvboost_hf.speculative.exact_rows import route_rows
 from kvboost_hf.speculative.head import DraftHead
-from kvboost_hf.speculative.instance_forward import forward_installed
+from kvboost_hf.speculative.instance_forward import forward_installed, installed_alone
+from kvboost_hf.speculative.quantized import BlockedInt8Linear
 from kvboost_hf.speculative.vocab import draft_vocabulary, special_token_ids, token_ranking
 
 # Inputs a CausalLM forward consumes itself and does not pass on to its decoder.
@@ -153,6 +155,7 @@ class HeadProposer:
     """Drafts ``k`` tokens by forwarding the target's own decoder one token at a time (see the module doc)."""
 
     takes_prompt_from_target = True  # round 0 is the prompt's prefill: nothing to draft from yet
+    fused_rounds = True  # a plain round as one op call (_fused_round); False: always token by token
 
     def __init__(self, model: nn.Module, draft: HeadDraft, eos: list[int], exact_rows: bool, limits=None) -> None:
         self.model, self.draft, self.eos, self.exact_rows = model, draft, set(eos), exact_rows
@@ -171,6 +174,13 @@ class HeadProposer:
         base, ids, tokens, rows, drafted = cache.get_seq_length(), input_ids, [], [], []
         # plan_held: the decoder's layers are checked once a round, not once a drafted token
         with _routed(1 if self.exact_rows else None), _dropped_on_error(cache, tokens), plan_held(self.decoder):
+            fused = self._fused_round(ids, kwargs, k)
+            if fused is not None:  # the whole round in one op call, or the loop below token by token
+                tokens.extend([int(ids[0, -1]), *fused.tokens[:-1]])
+                rows.append(fused.hidden)
+                drafted = fused.tokens
+                ids = torch.cat([ids, ids.new_tensor([drafted])], dim=1)
+                k = 0
             for _ in range(k):
                 hidden = self._decode_step(ids, kwargs)
                 tokens.append(int(ids[0, -1]))
@@ -188,8 +198,26 @@ class HeadProposer:
             _set_drafted(self.decoder, DraftedRows(cache, base, tokens, torch.cat(rows, dim=1), self.exact_rows))
         return ids, None
 
+    def _fused_round(self, ids: torch.LongTensor, kwargs: dict, k: int) -> DraftRound | None:
+        """The round as one op call (:func:`~kvboost_hf.kernels.draft_round.draft_round`: the same tokens and rows
+        as the loop's forwards), where nothing runs between the loop's forwards but the decoder and the head: no
+        limits to ask, an int8 head without bias, and the decoder called as it is (its own verification wrapper
+        only, no rows of an earlier round pending). None: the loop drafts."""
+        linear = self.draft.head.linear
+        if (not self.fused_rounds or self.limits is not None or type(linear) is not BlockedInt8Linear
+                or linear.bias is not None or _local.__dict__.get("drafted", {}).get(id(self.decoder)) is not None
+                or ("forward" in self.decoder.__dict__ and not installed_alone(self.decoder))):
+            return None
+        tokens = self.draft.head.tokens
+        return draft_round(self.decoder, self._step_inputs(ids, kwargs), k, linear.blocks,
+                           None if tokens is None else tokens.to(torch.long), self.eos)
+
     def _decode_step(self, ids: torch.LongTensor, kwargs: dict) -> torch.Tensor:
         """The decoder's output row for ``ids``' last token, computed as generate's decode step computes it."""
+        return self.decoder(**self._step_inputs(ids, kwargs)).last_hidden_state[:, -1:]
+
+    def _step_inputs(self, ids: torch.LongTensor, kwargs: dict) -> dict:
+        """The decoder's arguments for a forward of ``ids``' last token, as generate's decode step makes them."""
         step = dict(kwargs)
         length = ids.shape[1]
         mask = step.get("attention_mask")
@@ -202,7 +230,7 @@ class HeadProposer:
         inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, is_first_iteration=False, **step)
         for key in _HEAD_ARGUMENTS:
             inputs.pop(key, None)
-        return self.decoder(**inputs).last_hidden_state[:, -1:]
+        return inputs
 
     def update(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         _set_drafted(self.decoder, None)  # consumed by the verification (or stale)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from torch import nn
 
 _lock = threading.Lock()
-_installed: dict[int, list] = {}  # id(module) -> [module, its instance forward before (or None), entries]
+_installed: dict[int, list] = {}  # id(module) -> [module, its instance forward before (or None), entries, ours]
 
 
 @contextlib.contextmanager
@@ -19,8 +19,8 @@ def forward_installed(module: nn.Module, make_forward: Callable[[nn.Module, Call
     with _lock:
         entry = _installed.get(id(module))
         if entry is None:
-            entry = _installed[id(module)] = [module, module.__dict__.get("forward"), 0]
-            module.forward = make_forward(module, module.forward)
+            entry = _installed[id(module)] = [module, module.__dict__.get("forward"), 0, None]
+            module.forward = entry[3] = make_forward(module, module.forward)
         entry[2] += 1
     try:
         yield
@@ -33,3 +33,10 @@ def forward_installed(module: nn.Module, make_forward: Callable[[nn.Module, Call
                     del module.forward
                 else:
                     module.forward = entry[1]
+
+
+def installed_alone(module: nn.Module) -> bool:
+    """Whether ``module``'s instance forward is the one :func:`forward_installed` set over its class's forward, and
+    nothing else was set on it since (a call then runs that forward and, through it, the class's)."""
+    entry = _installed.get(id(module))
+    return entry is not None and entry[1] is None and module.__dict__.get("forward") is entry[3]

@@ -166,6 +166,48 @@ def test_int4_targets_on_the_kernels_keep_greedy_replies(reuse, tmp_path):
         assert stats.reused_tokens > 0 and stats.speculation.accepted_tokens > 10, (family, residency)
 
 
+def test_int4_rounds_run_as_one_op_call_with_the_loops_reply(reuse, tmp_path, monkeypatch):
+    """On a fused int4 target a plain round is one ``draft_round`` call (kernels.draft_round): the reply and the rows
+    the verification takes are the token-by-token loop's. A draft constraint (limits to ask before each token), or a
+    forward a user set on the decoder, keeps the loop; the reply is the same."""
+    from kvboost_hf.speculative import head_draft
+    from kvboost_hf.streaming.pack import pack_model
+    from tests.streaming.conftest import TINY_GROUP, TINY_LAYERS, load_awq
+
+    pack_model(make_tiny("gemma3", seed=4, num_layers=TINY_LAYERS), tmp_path, group_size=TINY_GROUP)
+    model = load_awq(tmp_path, residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    ids = _prompt(11)
+    plain = model.generate(ids, max_new_tokens=40, do_sample=False)
+    reuse(model)
+    draft, rounds, taken = make_head_draft(model), [], []
+    real = head_draft.draft_round
+    monkeypatch.setattr(head_draft, "draft_round", lambda *args: taken.append(real(*args)) or taken[-1])
+    verify = DraftedRows.verify
+    monkeypatch.setattr(DraftedRows, "verify", lambda self, *args: rounds.append(
+        (list(self.tokens), self.hidden.clone())) or verify(self, *args))
+
+    def run(**kwargs):
+        rounds.clear(), taken.clear()
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, draft=draft, speculation=ALWAYS, **kwargs)
+        assert torch.equal(out, plain)
+        return list(rounds), sum(r is not None for r in taken)
+
+    fused, calls = run()
+    assert calls >= 4 and len(fused) >= calls
+    monkeypatch.setattr(HeadProposer, "fused_rounds", False)
+    loop, calls = run()
+    assert calls == 0 and len(loop) == len(fused)
+    assert all(a == c and torch.equal(b, d) for (a, b), (c, d) in zip(fused, loop))  # the same rows, bit for bit
+    monkeypatch.setattr(HeadProposer, "fused_rounds", True)
+    assert run(logits_processor=[_CutAfterTwo()])[1] == 0  # (masks nothing: the reply stays plain decoding's)
+    decoder = model.get_decoder()
+    decoder.forward = decoder.forward  # an instance forward of the user's (as accelerate sets one)
+    try:
+        assert run()[1] == 0
+    finally:
+        del decoder.forward
+
+
 def test_threads_sharing_a_model_each_verify_their_own_rows(reuse):
     model = make_tiny("gemma3", seed=2)
     prompts = [_prompt(s) for s in (11, 12, 13, 14)]
