@@ -24,7 +24,9 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   FR-Spec self-draft (``make_draft(bits=4, vocab=32768)``) of the kvboost model after the same
   prompt, on a cache that appends in place (``BufferedCache``, as a draft's ``ChunkReuseCache`` in
   speculation): one token alone ("step"), and a token of an 8-token round as speculation drafts it
-  ("round8_token": the decoder's layers checked once a round, ``plan_held``). Greedy continuations are compared.
+  ("round8_token": the decoder's layers checked once a round, ``plan_held``); and a token of an 8-token round of the
+  head draft (``make_head_draft(model, 16384)``: the target's own decoder, an int8 head of 16,384 tokens) as one
+  ``draft_round`` op call, as speculation runs it. Greedy continuations are compared.
   After one untimed rep, each rep of the whole model also reads the bandwidth probe again (huge pages), and the targets' ratios are taken
   per rep, then their median and range: the step's share of its floor (the bytes a step reads, the decoder's layers
   and the head, at that rep's probe), the 9-row exact forward, the draft token and the prefill against the step or the
@@ -127,7 +129,7 @@ def interleave(fns: dict, reps: int) -> dict:
 def whole_model(reps: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from kvboost_hf import make_draft
+    from kvboost_hf import make_draft, make_head_draft
     from kvboost_hf.cache import BufferedCache
     from kvboost_hf.models import load_default_model
     from kvboost_hf.models.attention import FLOAT32_SDPA
@@ -142,13 +144,14 @@ def whole_model(reps: int) -> dict:
     models["bf16 float"] = model.to(torch.bfloat16)
     back_with_huge_pages(models["bf16 float"])  # as the int4 models' loader does, and `kvboost-hf serve`
     draft = make_draft(models["kvboost"], bits=4, vocab=32768, tokenizer=tokenizer)
+    head_draft = make_head_draft(models["kvboost"], 16384, tokenizer=tokenizer)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, 20000, (1, 200), generator=gen)
     long = torch.randint(10, 20000, (1, 256), generator=gen)
 
-    def prefilled(m):
-        # The draft's cache appends in place, as a ChunkReuseCache (what speculation gives a draft) does.
-        cache = BufferedCache(config=m.config) if m is draft else DynamicCache(config=m.config)
+    def prefilled(m, in_place: bool = False):
+        # A draft's cache appends in place, as a ChunkReuseCache (what speculation gives a draft) does.
+        cache = BufferedCache(config=m.config) if m is draft or in_place else DynamicCache(config=m.config)
         m(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         for _ in range(3):  # a step as decoding runs it: the refill after the prefill's exact buffers done
             m(prompt[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -168,11 +171,12 @@ def whole_model(reps: int) -> dict:
                 "torch": (models["torch"], True), "bf16 float": (models["bf16 float"], True)}
     samples = {name: {"step": [], "verify9": [], "verify9_exact": [], "prefill256": []} for name in settings}
     samples["int4 self-draft"] = {"step": [], "round8_token": []}
+    samples["head draft (16k)"] = {"round8_token": []}
     for name, (m, mode) in settings.items():  # untimed: a process's first forwards of a model run slow
         switch(m, mode)
         times.step(m), times.verify(m, exact=True), times.prefill(m)
     switch(models["kvboost"], True)
-    draft_round(draft, times)
+    draft_round(draft, times), head_round(models["kvboost"], head_draft, times)
     for _ in range(reps):
         bandwidth.append(probe())
         for name, (m, mode) in settings.items():
@@ -184,6 +188,7 @@ def whole_model(reps: int) -> dict:
         switch(models["kvboost"], True)
         samples["int4 self-draft"]["step"].append(times.step(draft) * 1e3)
         samples["int4 self-draft"]["round8_token"].append(draft_round(draft, times) * 1e3)
+        samples["head draft (16k)"]["round8_token"].append(head_round(models["kvboost"], head_draft, times) * 1e3)
     text = {name: m.generate(prompt[:, :64], max_new_tokens=24, do_sample=False)[0, 64:].tolist()
             for name, m in models.items()}
     del probe
@@ -213,6 +218,8 @@ def target_ratios(samples: dict, bandwidth: list[float], nbytes: int) -> dict:
         "step_floor_share": [nbytes / (gbs * 1e9) * 1e3 / ms for gbs, ms in zip(bandwidth, ours["step"])],
         "verify9_exact_over_step": [v / s for v, s in zip(ours["verify9_exact"], ours["step"])],
         "draft_round8_token_over_step": [d / s for d, s in zip(draft["round8_token"], ours["step"])],
+        "head_draft_round8_token_over_step": [d / s for d, s in zip(samples["head draft (16k)"]["round8_token"],
+                                                                      ours["step"])],
         "prefill256_over_float": [p / f for p, f in zip(ours["prefill256"], fp["prefill256"])],
     }
     return {name: {"median": median(v), "min": min(v), "max": max(v)} for name, v in per_rep.items()}
@@ -229,6 +236,26 @@ def draft_round(draft, times, tokens: int = 8) -> float:
         for _ in range(tokens):
             draft(times.prompt[:, -1:], past_key_values=cache, use_cache=True)
     return (time.perf_counter() - start) / tokens
+
+
+def head_round(model, head_draft, times, tokens: int = 8) -> float:
+    """Seconds a token of a ``tokens``-token head-draft round costs (the target's own decoder and a 16k int8 head) as
+    speculation drafts it: one ``draft_round`` op call (kernels.draft_round), the cache reserved and committed once."""
+    from kvboost_hf.kernels.draft_round import draft_round as fused_round
+    from kvboost_hf.kernels.plan import plan_held
+
+    cache = times.prefilled(model, in_place=True)  # the target's cache in speculation appends in place too
+    past = cache.get_seq_length()
+    inputs = {"input_ids": times.prompt[:, -1:], "past_key_values": cache, "use_cache": True,
+              "attention_mask": torch.ones(1, past + 1, dtype=torch.long), "cache_position": torch.tensor([past])}
+    head = head_draft.head
+    start = time.perf_counter()
+    with plan_held(model.get_decoder()):
+        done = fused_round(model.get_decoder(), inputs, tokens, head.linear.blocks, head.tokens.long(), set())
+    seconds = time.perf_counter() - start
+    if done is None:
+        raise RuntimeError("the head draft's round did not run as one op call (kernels.draft_round)")
+    return seconds / len(done.tokens)
 
 
 def switch_extras(model, on, norms: dict) -> None:
