@@ -9,12 +9,18 @@
 - ``witness``: the plan checked against its witness against the plan read again at every call
   (``kvboost_hf.kernels.plan``);
 - ``head_tiles``: the bf16 head on its tile copy (``KernelLinear.use_tiles``, what the loader keeps on amx_bf16)
-  against the head on its own ``[N, K]`` weight (the copy set aside): only the amx_bf16 path reads tiles.
+  against the head on its own ``[N, K]`` weight (the copy set aside): only the amx_bf16 path reads tiles;
+- ``draft_round``: a head draft's plain round as one ``torch.ops.kvboost.draft_round`` call against the round
+  token by token (``HeadProposer.fused_rounds`` False); only ``--what speculate`` runs head-draft rounds.
 
 Each round prefills a 200-token prompt, then alternates the two ways call by call (ABBA) over one-token calls of
 the decoder alone (``--what decoder``), of the whole model (``step``: decoder and bf16 head, ``DynamicCache``), or
 of its int4 self-draft (``draft``: 32k-vocab head, ``BufferedCache``), or 9-token calls of the whole model
-cropped back after each (``verify``: a speculative verification); ``--sweep`` reads 64 MB before each call,
+cropped back after each (``verify``: a speculative verification), or whole greedy requests with a head draft
+(``speculate``: ``make_head_draft(model, 16384)``, 8 tokens a round, 64 new tokens after benchmarks/speculative.py's
+document prompts, a 200-token essay excerpt and an instruction to copy a paragraph of it; up to 8 a round, each
+prompt warmed in the request's chunk store first, so both ways reuse it, and both ways' tokens checked equal);
+``--sweep`` reads 64 MB before each call,
 as a step's weights evict the CPU caches. Prints each way's median and the median and quartiles of the per-pair
 ratios (the second way over the first: above 1, the first is faster). The host's drift between processes is larger
 than these differences; a pair's two calls are ~20-40 ms apart.
@@ -23,6 +29,7 @@ than these differences; a pair's two calls are ~20-40 ms apart.
     python benchmarks/decoder_ab.py --compare layer_step --what decoder step draft --rounds 6
     python benchmarks/decoder_ab.py --compare witness --what decoder --sweep
     python benchmarks/decoder_ab.py --compare head_tiles --what step verify --rounds 6
+    python benchmarks/decoder_ab.py --compare draft_round --what speculate --rounds 4
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ def ways(compare: str, model) -> dict:
             raise SystemExit("the head keeps no tile copy here (it is kept where the amx_bf16 path runs)")
         return {"tiles": [(head, "tile_copy", copy)], "[N, K]": [(head, "tile_copy", None)]}
 
+    if compare == "draft_round":
+        from kvboost_hf.speculative.head_draft import HeadProposer
+
+        return {"one call a round": [(HeadProposer, "fused_rounds", True)],
+                "token by token": [(HeadProposer, "fused_rounds", False)]}
     if compare == "decoder_step":
         return {"one call": [(decoder, "_reserved", decoder._reserved)],
                 "one call a layer": [(decoder, "_reserved", lambda *args: None)]}
@@ -85,6 +97,41 @@ def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, swe
     return {"times": times, "ratios": ratios}
 
 
+def speculate(model, tokenizer, variants: dict, rounds: int, pairs: int) -> dict:
+    """Per way, the seconds of each whole greedy request with a head draft; and the per-pair ratios. ``pairs``
+    document prompts a round, each warmed into the chunk store before its pair."""
+    from kvboost_hf import ChunkStore, ControllerSettings, enable_chunk_reuse, make_head_draft
+
+    from speculative import document_prompts
+
+    head = make_head_draft(model, 16384, tokenizer=tokenizer)
+    fixed = ControllerSettings(adaptive=False, max_tokens=8)
+    prompts = document_prompts(tokenizer, pairs, 200)
+    names = list(variants)
+    times, ratios = {name: [] for name in names}, []
+    enable_chunk_reuse(model, ChunkStore(max_bytes=512 * 2**20, chunk_size=64))
+    with torch.no_grad():
+        for r in range(rounds):
+            for i, ids in enumerate(prompts):
+                model.generate(ids, max_new_tokens=1, do_sample=False)  # the prompt stored: both ways reuse it
+                took, tokens = {}, {}
+                for name in names if (r + i) % 2 == 0 else names[::-1]:
+                    for owner, attribute, value in variants[name]:
+                        setattr(owner, attribute, value)
+                    start = time.perf_counter()
+                    out = model.generate(ids, max_new_tokens=64, do_sample=False, draft=head, speculation=fixed)
+                    took[name], tokens[name] = time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
+                if tokens[names[0]] != tokens[names[1]]:
+                    raise SystemExit(f"the two ways' replies differ (prompt {i}, round {r})")
+                for name in names:
+                    times[name].append(took[name])
+                ratios.append(took[names[1]] / took[names[0]])
+    for name in names[::-1]:  # the package's own last
+        for owner, attribute, value in variants[name]:
+            setattr(owner, attribute, value)
+    return {"times": times, "ratios": ratios}
+
+
 def verify(model, tokens: torch.Tensor, cache) -> None:
     """A verification's forward of ``tokens`` (every row's logits), then its rows cropped off the cache again."""
     model(tokens, past_key_values=cache)
@@ -93,11 +140,11 @@ def verify(model, tokens: torch.Tensor, cache) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", choices=["decoder_step", "layer_step", "witness", "head_tiles"],
+    parser.add_argument("--compare", choices=["decoder_step", "layer_step", "witness", "head_tiles", "draft_round"],
                         default="decoder_step")
-    parser.add_argument("--what", nargs="+", choices=["decoder", "step", "verify", "draft"], default=["decoder"])
+    parser.add_argument("--what", nargs="+", choices=["decoder", "step", "verify", "draft", "speculate"], default=["decoder"])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--pairs", type=int, default=30, help="pairs of calls a round")
+    parser.add_argument("--pairs", type=int, default=30, help="pairs of calls a round (speculate: prompts, at most 8)")
     parser.add_argument("--sweep", action="store_true", help="read 64 MB before each call")
     args = parser.parse_args()
 
@@ -112,6 +159,11 @@ def main() -> None:
     model, tokenizer = resident_int4_gemma()
     variants = ways(args.compare, model)
     for what in args.what:
+        if what == "speculate":
+            result = speculate(model, tokenizer, variants, args.rounds, min(args.pairs, 8))
+            first, second = list(variants)
+            print(f"speculate: {per_pair(result['times'], result['ratios'], f'{second} / {first}')}")
+            continue
         if what == "draft":
             subject = make_draft(model, bits=4, vocab=32768, tokenizer=tokenizer)
             new_cache = lambda config: BufferedCache(config=config)  # noqa: E731
