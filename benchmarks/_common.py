@@ -150,15 +150,21 @@ def environment() -> dict:
 
 
 def cpu_model() -> str:
-    """The CPU's model name and its vector/matrix extensions that torch's CPU kernels use (Linux)."""
+    """The CPU's model name, family and model (a VM may name only the vendor: "AMD EPYC" is Zen 4 at family 25 and
+    Zen 5 at 26), and its vector/matrix extensions that torch's CPU kernels use (Linux)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+
+    def field(key: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                     if line.split(":", 1)[0].strip() == key), "")
+
+    flags = field("flags").split()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
-    return f"{name} ({', '.join(f for f in wanted if f in flags)})"
+    return (f"{field('model name')} family {field('cpu family')} model {field('model')} "
+            f"({', '.join(f for f in wanted if f in flags)})")
 
 
 def write_json(name: str, payload: dict) -> Path:
