@@ -70,8 +70,7 @@ def ways(compare: str, model) -> dict:
 def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, sweep: bool, rows: int = 1) -> dict:
     """Per way, the seconds of each call of ``rows`` tokens; and the per-pair ratios (second way / first)."""
     prompt = torch.randint(10, 20000, (1, 201 + pairs + rows), generator=torch.Generator().manual_seed(1))
-    names = list(variants)
-    times, ratios = {name: [] for name in names}, []
+    result = {"times": {name: [] for name in variants}, "ratios": []}
     evict = torch.zeros(16 * 1024 * 1024)
     with torch.no_grad():
         for _ in range(rounds):
@@ -79,22 +78,10 @@ def measure(model, call, new_cache, variants: dict, rounds: int, pairs: int, swe
             model(prompt[:, :200], past_key_values=cache)
             model(prompt[:, 200:201], past_key_values=cache)  # the refill after a prefill's exact buffers
             for i in range(pairs):
-                took = {}
-                for name in names if i % 2 == 0 else names[::-1]:
-                    for owner, attribute, value in variants[name]:
-                        setattr(owner, attribute, value)
-                    if sweep:
-                        evict.add_(1)
-                    start = time.perf_counter()
-                    call(model, prompt[:, 201 + i:201 + i + rows], cache)
-                    took[name] = time.perf_counter() - start
-                for name in names:
-                    times[name].append(took[name])
-                ratios.append(took[names[1]] / took[names[0]])
-    for name in names[::-1]:  # the package's own last
-        for owner, attribute, value in variants[name]:
-            setattr(owner, attribute, value)
-    return {"times": times, "ratios": ratios}
+                pair(variants, i % 2 == 1, lambda: call(model, prompt[:, 201 + i:201 + i + rows], cache), result,
+                     before=(lambda: evict.add_(1)) if sweep else None)
+    use(variants)
+    return result
 
 
 def speculate(model, tokenizer, variants: dict, rounds: int, pairs: int) -> dict:
@@ -107,29 +94,42 @@ def speculate(model, tokenizer, variants: dict, rounds: int, pairs: int) -> dict
     head = make_head_draft(model, 16384, tokenizer=tokenizer)
     fixed = ControllerSettings(adaptive=False, max_tokens=8)
     prompts = document_prompts(tokenizer, pairs, 200)
-    names = list(variants)
-    times, ratios = {name: [] for name in names}, []
+    result = {"times": {name: [] for name in variants}, "ratios": []}
     enable_chunk_reuse(model, ChunkStore(max_bytes=512 * 2**20, chunk_size=64))
     with torch.no_grad():
         for r in range(rounds):
             for i, ids in enumerate(prompts):
                 model.generate(ids, max_new_tokens=1, do_sample=False)  # the prompt stored: both ways reuse it
-                took, tokens = {}, {}
-                for name in names if (r + i) % 2 == 0 else names[::-1]:
-                    for owner, attribute, value in variants[name]:
-                        setattr(owner, attribute, value)
-                    start = time.perf_counter()
-                    out = model.generate(ids, max_new_tokens=64, do_sample=False, draft=head, speculation=fixed)
-                    took[name], tokens[name] = time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
-                if tokens[names[0]] != tokens[names[1]]:
+                replies = pair(variants, (r + i) % 2 == 1, lambda: model.generate(
+                    ids, max_new_tokens=64, do_sample=False, draft=head, speculation=fixed)[0, ids.shape[1]:].tolist(),
+                    result)
+                if len({tuple(reply) for reply in replies.values()}) != 1:
                     raise SystemExit(f"the two ways' replies differ (prompt {i}, round {r})")
-                for name in names:
-                    times[name].append(took[name])
-                ratios.append(took[names[1]] / took[names[0]])
-    for name in names[::-1]:  # the package's own last
-        for owner, attribute, value in variants[name]:
-            setattr(owner, attribute, value)
-    return {"times": times, "ratios": ratios}
+    use(variants)
+    return result
+
+
+def use(variants: dict, name: str | None = None) -> None:
+    """Patches in the way ``name`` (None: the first, the package's own)."""
+    for owner, attribute, value in variants[name or next(iter(variants))]:
+        setattr(owner, attribute, value)
+
+
+def pair(variants: dict, reverse: bool, call, result: dict, before=None) -> dict:
+    """One timed ``call()`` per way (in reverse order where ``reverse``; ``before()`` untimed ahead of each), added to
+    ``result``'s times and ratios (second way / first); returns each way's answer."""
+    names, took, answers = list(variants), {}, {}
+    for name in names[::-1] if reverse else names:
+        use(variants, name)
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        answers[name] = call()
+        took[name] = time.perf_counter() - start
+    for name in names:
+        result["times"][name].append(took[name])
+    result["ratios"].append(took[names[1]] / took[names[0]])
+    return answers
 
 
 def verify(model, tokens: torch.Tensor, cache) -> None:
