@@ -13,10 +13,10 @@ computes each row alone): the same tokens and decoder rows, and the cache left a
 Plain means what the fused loop's own checks mean (:mod:`.decoder`), for every token of the round, plus: the
 embedding is ``nn.Embedding`` or transformers' Gemma 3 scaled one, the final norm is a ``KernelRMSNorm``, neither
 with hooks, nor the rotary module (where no rotary block serves, it is called once per position, as each forward
-calls it); the positions are the cache's next ones (a mask of ones, no other position ids); every cache layer
-reserves the round's rows. The decoder's own hooks are the
-caller's to rule out (a head draft's verification wrapper is its own). Otherwise None: the caller forwards token by
-token as before.
+calls it, where it is a transformers module whose rows depend on their position alone: not dynamic NTK or longrope);
+the positions are the cache's next ones (a mask of ones, no other position ids); every cache layer reserves the
+round's rows. The decoder's own hooks are the caller's to rule out (a head draft's verification wrapper is its own).
+Otherwise None: the caller forwards token by token as before.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from kvboost_hf.kernels.layout import Int8Blocks
 from kvboost_hf.kernels.norm import KernelRMSNorm
 from kvboost_hf.kernels.plan import held_or_new_plan
 from kvboost_hf.kernels.rotary import BLOCK, rotary_rows
+from kvboost_hf.models.rope import length_dependent
 
 _STEP_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
                           "inputs_embeds", "cache_position"})
@@ -108,11 +109,20 @@ def _rotary(decoder: nn.Module, probe: torch.Tensor, positions: torch.Tensor, ki
     forward calls it; None where the module has hooks (their calls would not be the forwards')."""
     rows = rotary_rows(decoder, probe, positions, kind)
     module = decoder._modules.get("rotary_emb")
-    if rows is not None or module is None or _hooked(module):
+    if rows is not None or module is None or _hooked(module) or not _stateless(module, kind):
         return rows
     extra = () if kind is None else (kind,)
     calls = [module(probe[:, :1], positions[:, j: j + 1], *extra) for j in range(positions.shape[1])]
     return torch.cat([c for c, _ in calls], dim=1), torch.cat([s for _, s in calls], dim=1)
+
+
+def _stateless(module: nn.Module, kind: str | None) -> bool:
+    """Whether ``module``'s output for a position depends on that position alone: transformers' rotary modules but
+    those that recompute their frequencies from the longest position a call sees (dynamic NTK keeps the largest it
+    has seen, so calling it for positions the round never forwards would change the later forwards' keys)."""
+    rope = getattr(module, "rope_type", None)
+    rope = rope.get(kind) if isinstance(rope, dict) else rope
+    return type(module).__module__.startswith("transformers.") and isinstance(rope, str) and not length_dependent(rope)
 
 
 def _embedding_scale(embed) -> torch.Tensor | None | bool:

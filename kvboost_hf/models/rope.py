@@ -43,6 +43,28 @@ def _rope_types(config) -> set[str]:
     return types
 
 
+def length_dependent_rope(config) -> str | None:
+    """The model's RoPE type whose frequencies depend on the longest position a forward sees, or None. transformers
+    recomputes them in each forward for "dynamic" (and keeps the largest position seen) and "longrope" (the long
+    factors for every row once a position passes the original length); every other type is a fixed rotation per
+    position. Under such a type a forward of positions that plain decoding does not reach together (a speculative
+    verification's rows) changes keys that plain decoding computes otherwise."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    entries = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for entry in entries:
+        kind = entry.get("rope_type", entry.get("type", "default")) if isinstance(entry, dict) else "default"
+        if length_dependent(kind):
+            return kind
+    return None
+
+
+def length_dependent(rope_type: str) -> bool:
+    """Whether transformers' rotary module of ``rope_type`` recomputes its frequencies in each forward (its
+    ``dynamic_rope_update`` tells them apart so)."""
+    return "dynamic" in rope_type or rope_type == "longrope"
+
+
 def _find_rotary(model: torch.nn.Module) -> torch.nn.Module:
     base = getattr(model, "model", None) or getattr(model, "base_model", model)
     rotary = getattr(base, "rotary_emb", None)

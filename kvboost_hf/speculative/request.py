@@ -26,6 +26,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from kvboost_hf.generation import enable_chunk_reuse
 from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
+from kvboost_hf.models.rope import length_dependent_rope
 from kvboost_hf.reuse import reuse_state
 from kvboost_hf.speculative.controller import ControllerSettings, DraftController
 from kvboost_hf.speculative.draft_limits import draft_limits
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 LOOKUP_DRAFTS = ("prompt-lookup", "store")
 _store_followers: weakref.WeakSet = weakref.WeakSet()  # drafts whose reuse was enabled with the target's store
+_plain_rope_models: weakref.WeakSet = weakref.WeakSet()  # models told once that their RoPE rules out drafts
 
 
 @dataclass
@@ -95,6 +97,8 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             name = getattr(draft, "draft_name", draft)
             raise ValueError(f"draft={name!r} drafts itself: drop prompt_lookup_num_tokens")
+        if _decodes_plain(model, kwargs):
+            return None
         kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
         if isinstance(draft, HeadDraft):
             return SpeculationRequest("head", settings, SpeculationStats(draft=draft.draft_name),
@@ -103,10 +107,29 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
     assistant = draft if draft is not None else assistant
     if kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None:
         validate_draft(model, assistant)
+    if _decodes_plain(model, kwargs):
+        return None
     _enable_reuse_on(model, assistant)
     kwargs["assistant_model"] = assistant
     name = getattr(assistant, "draft_name", "model")
     return SpeculationRequest("model", settings, SpeculationStats(draft=name), memory_key=("model", id(assistant)))
+
+
+def _decodes_plain(model: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether ``model``'s RoPE rules drafts out (:func:`~kvboost_hf.models.rope.length_dependent_rope`: a
+    verification's rows would change keys that plain decoding computes otherwise); then generate's ``kwargs`` are
+    left selecting plain decoding, the reply speculation promises, and the model's first such call logs why."""
+    rope = length_dependent_rope(model.config)
+    if rope is None:
+        return False
+    if model not in _plain_rope_models:
+        _plain_rope_models.add(model)
+        logger.warning("%s's rope_type %r recomputes its frequencies from the longest position a forward sees, so a "
+                       "verification's rows would change later keys: it decodes without drafts, as plain generate",
+                       type(model).__name__, rope)
+    for key in ("assistant_model", "assistant_tokenizer", "prompt_lookup_num_tokens"):
+        kwargs.pop(key, None)
+    return True
 
 
 def _can_speculate(inputs: torch.Tensor | None, kwargs: dict) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvboost_hf import kernels, make_head_draft
 from kvboost_hf.cache import BufferedCache
@@ -15,7 +15,7 @@ from kvboost_hf.kernels.plan import plan_held
 from kvboost_hf.kernels.rotary import BLOCK
 from kvboost_hf.speculative.quantized import BlockedInt8Linear
 from kvboost_hf.streaming.pack import pack_model
-from tests.conftest import make_tiny, make_tiny_tokenizer, random_ids
+from tests.conftest import _COMMON, make_tiny, make_tiny_tokenizer, random_ids
 from tests.streaming.conftest import TINY_GROUP, TINY_LAYERS, load_awq
 
 
@@ -158,3 +158,26 @@ def test_a_round_that_is_not_plain_runs_nothing(int4_models, change, monkeypatch
     with torch.no_grad():  # the same round, plain again, runs
         assert draft_round(decoder, _inputs(cache, 5), 4, draft.head.linear.blocks, None, set()) is not None
     assert calls == [1]
+
+
+@torch.no_grad()
+def test_a_rotary_module_that_rescales_with_the_longest_position_is_not_called_ahead(tmp_path, monkeypatch):
+    """Dynamic NTK keeps the largest position it has seen and rescales from it: calling it for a round's positions
+    before they are forwarded (a round that stops at an end token forwards fewer) would change later keys. The round
+    is refused and the module left as it was; the loop then drafts (found by an adversarial review)."""
+    torch.manual_seed(1)
+    config = LlamaConfig(num_hidden_layers=TINY_LAYERS, **dict(_COMMON, max_position_embeddings=16),
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    pack_model(LlamaForCausalLM(config).eval(), tmp_path, group_size=TINY_GROUP)
+    model = load_awq(tmp_path, residency_mode="full_resident", kernel="kvboost", dtype=torch.bfloat16)
+    decoder, draft = model.get_decoder(), make_head_draft(model)
+    cache = _prefilled(model, random_ids(20, seed=5))  # past the 16 original positions
+    rotary = decoder.rotary_emb
+    seen, frequencies = rotary.max_seq_len_cached, rotary.inv_freq.clone()
+    calls = []
+    op = torch.ops.kvboost.draft_round
+    monkeypatch.setattr(torch.ops.kvboost, "draft_round", lambda *args: calls.append(1) or op(*args))
+    with plan_held(decoder):
+        assert draft_round(decoder, _inputs(cache, 7), 8, draft.head.linear.blocks, None, set()) is None
+    assert calls == [] and rotary.max_seq_len_cached == seen and torch.equal(rotary.inv_freq, frequencies)
+    assert cache.get_seq_length() == 21

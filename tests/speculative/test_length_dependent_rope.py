@@ -1,0 +1,62 @@
+"""A model whose RoPE recomputes its frequencies from the longest position a forward sees (transformers' "dynamic"
+and "longrope") decodes without drafts and without reuse: a verification forwards positions plain decoding does not
+reach together, and stored K/V come from forwards of other lengths; either would change the reply."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvboost_hf import ControllerSettings, last_request_stats, make_head_draft
+from kvboost_hf.models.rope import length_dependent_rope
+from tests.conftest import _COMMON, random_ids
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ALWAYS = ControllerSettings(adaptive=False, max_tokens=4, start_tokens=1, probe_tokens=1)
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+
+def _llama(rope: dict, seed: int = 1) -> torch.nn.Module:
+    """A tiny bf16 Llama of 16 original positions: its prompts below run past them, where dynamic RoPE rescales."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=2, rope_parameters=rope, **dict(_COMMON, max_position_embeddings=16))
+    return LlamaForCausalLM(config).eval().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rope,expected", [
+    ({"rope_type": "default", "rope_theta": 10000.0}, None),
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, None),
+    (DYNAMIC, "dynamic"),
+    ({"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+      "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
+    ({"type": "longrope"}, "longrope"),
+])
+def test_the_rope_types_that_depend_on_the_longest_position(rope, expected):
+    class Config:
+        rope_parameters = rope
+
+    assert length_dependent_rope(Config()) == expected
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "head"])
+def test_a_dynamic_rope_model_replies_as_plain_generate_without_drafts_or_reuse(reuse, draft, caplog):
+    # 28 tokens, past the 16 original positions. With drafts (the check answering None) both drafts' replies to this
+    # prompt differ from plain generate's within 60 tokens.
+    ids = torch.cat([random_ids(14, 3), random_ids(14, 3)], dim=1)
+    baseline = _llama(DYNAMIC)  # plain generate, whose rotary module keeps the longest position of its calls
+    model = _llama(DYNAMIC)
+    reuse(model)
+    chosen = make_head_draft(model) if draft == "head" else draft
+    with caplog.at_level(logging.WARNING, logger="kvboost_hf.speculative.request"):
+        for _ in range(2):  # the second call reads nothing the first stored (its K/V came from another scale)
+            plain = baseline.generate(ids, max_new_tokens=60, do_sample=False)
+            out = model.generate(ids, max_new_tokens=60, do_sample=False, draft=chosen, speculation=ALWAYS)
+            assert torch.equal(out, plain)
+            stats = last_request_stats(model)
+            assert stats.speculation is None and stats.reused_tokens == 0 and "rope_type 'dynamic'" in stats.reason
+    assert sum("decodes without drafts" in r.getMessage() for r in caplog.records) == 1  # once a model
+    with pytest.raises(ValueError, match="expected one of"):  # a wrong draft is still an error
+        model.generate(ids, max_new_tokens=2, do_sample=False, draft="no-such-draft")
