@@ -43,18 +43,27 @@ def _rope_types(config) -> set[str]:
     return types
 
 
-def length_dependent_rope(config) -> str | None:
-    """The model's RoPE type whose frequencies depend on the longest position a forward sees, or None. transformers
-    recomputes them in each forward for "dynamic" (and keeps the largest position seen) and "longrope" (the long
+def length_dependent_rope(config, tokens: int | None = None) -> str | None:
+    """The model's RoPE type whose frequencies depend on the longest position a forward sees, where a call whose
+    sequence may grow to ``tokens`` tokens (None: any length) can reach a length at which they change; else None.
+
+    transformers recomputes them in each forward for "dynamic" (rescaled past the original length, and kept at the
+    largest position seen until a forward shorter than the original length resets them) and "longrope" (the long
     factors for every row once a position passes the original length); every other type is a fixed rotation per
-    position. Under such a type a forward of positions that plain decoding does not reach together (a speculative
-    verification's rows) changes keys that plain decoding computes otherwise."""
+    position. Past that length a forward of positions that plain decoding does not reach together (a speculative
+    verification's rows) or K/V stored by a forward of another length change the reply. Below it (every forward
+    shorter than the smaller of ``max_position_embeddings`` and the type's ``original_max_position_embeddings``)
+    the frequencies are the original ones whatever came before."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     entries = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
     for entry in entries:
         kind = entry.get("rope_type", entry.get("type", "default")) if isinstance(entry, dict) else "default"
-        if length_dependent(kind):
+        if not isinstance(kind, str) or not length_dependent(kind):
+            continue
+        limits = [v for v in (getattr(config, "max_position_embeddings", None),
+                              entry.get("original_max_position_embeddings")) if isinstance(v, int)]
+        if tokens is None or not limits or tokens >= min(limits):
             return kind
     return None
 

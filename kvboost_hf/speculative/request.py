@@ -24,6 +24,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, CandidateGenerator
 
 from kvboost_hf.generation import enable_chunk_reuse
+from kvboost_hf.generation.sequence import longest_sequence
 from kvboost_hf.models.fingerprint import UnfingerprintableModel
 from kvboost_hf.models.namespace import namespace
 from kvboost_hf.models.rope import length_dependent_rope
@@ -97,7 +98,7 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             name = getattr(draft, "draft_name", draft)
             raise ValueError(f"draft={name!r} drafts itself: drop prompt_lookup_num_tokens")
-        if _decodes_plain(model, kwargs):
+        if _decodes_plain(model, kwargs, inputs):
             return None
         kwargs["prompt_lookup_num_tokens"] = settings.max_tokens  # selects assisted decoding in generate
         if isinstance(draft, HeadDraft):
@@ -107,7 +108,7 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
     assistant = draft if draft is not None else assistant
     if kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None:
         validate_draft(model, assistant)
-    if _decodes_plain(model, kwargs):
+    if _decodes_plain(model, kwargs, inputs):
         return None
     _enable_reuse_on(model, assistant)
     kwargs["assistant_model"] = assistant
@@ -115,18 +116,19 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
     return SpeculationRequest("model", settings, SpeculationStats(draft=name), memory_key=("model", id(assistant)))
 
 
-def _decodes_plain(model: torch.nn.Module, kwargs: dict) -> bool:
-    """Whether ``model``'s RoPE rules drafts out (:func:`~kvboost_hf.models.rope.length_dependent_rope`: a
-    verification's rows would change keys that plain decoding computes otherwise); then generate's ``kwargs`` are
-    left selecting plain decoding, the reply speculation promises, and the model's first such call logs why."""
-    rope = length_dependent_rope(model.config)
+def _decodes_plain(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) -> bool:
+    """Whether ``model``'s RoPE rules drafts out for this call (:func:`~kvboost_hf.models.rope.length_dependent_rope`:
+    its sequence may pass the original length, where a verification's rows would change keys that plain decoding
+    computes otherwise); then generate's ``kwargs`` are left selecting plain decoding, the reply speculation
+    promises, and the model's first such call logs why."""
+    rope = length_dependent_rope(model.config, longest_sequence(model, inputs, kwargs))
     if rope is None:
         return False
     if model not in _plain_rope_models:
         _plain_rope_models.add(model)
-        logger.warning("%s's rope_type %r recomputes its frequencies from the longest position a forward sees, so a "
-                       "verification's rows would change later keys: it decodes without drafts, as plain generate",
-                       type(model).__name__, rope)
+        logger.warning("%s's rope_type %r recomputes its frequencies from the longest position a forward sees, so "
+                       "past its original length a verification's rows would change later keys: calls that may pass "
+                       "it decode without drafts, as plain generate", type(model).__name__, rope)
     for key in ("assistant_model", "assistant_tokenizer", "prompt_lookup_num_tokens"):
         kwargs.pop(key, None)
     return True

@@ -19,10 +19,11 @@ ALWAYS = ControllerSettings(adaptive=False, max_tokens=4, start_tokens=1, probe_
 DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 
 
-def _llama(rope: dict, seed: int = 1) -> torch.nn.Module:
-    """A tiny bf16 Llama of 16 original positions: its prompts below run past them, where dynamic RoPE rescales."""
+def _llama(rope: dict, seed: int = 1, positions: int = 16) -> torch.nn.Module:
+    """A tiny bf16 Llama of ``positions`` original positions (past 16, the prompts below run past them, where dynamic
+    RoPE rescales)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(num_hidden_layers=2, rope_parameters=rope, **dict(_COMMON, max_position_embeddings=16))
+    config = LlamaConfig(num_hidden_layers=2, rope_parameters=rope, **dict(_COMMON, max_position_embeddings=positions))
     return LlamaForCausalLM(config).eval().to(torch.bfloat16)
 
 
@@ -37,8 +38,14 @@ def _llama(rope: dict, seed: int = 1) -> torch.nn.Module:
 def test_the_rope_types_that_depend_on_the_longest_position(rope, expected):
     class Config:
         rope_parameters = rope
+        max_position_embeddings = 32
 
     assert length_dependent_rope(Config()) == expected
+    assert length_dependent_rope(Config(), 31) is None  # every forward shorter than the original length
+    assert length_dependent_rope(Config(), 32) == expected
+    Config.rope_parameters = {**rope, "original_max_position_embeddings": 8} if expected and "type" in rope else rope
+    if "type" in rope:  # the smaller of the two lengths bounds it
+        assert length_dependent_rope(Config(), 8) == expected and length_dependent_rope(Config(), 7) is None
 
 
 @pytest.mark.parametrize("draft", ["prompt-lookup", "head"])
@@ -57,6 +64,27 @@ def test_a_dynamic_rope_model_replies_as_plain_generate_without_drafts_or_reuse(
             assert torch.equal(out, plain)
             stats = last_request_stats(model)
             assert stats.speculation is None and stats.reused_tokens == 0 and "rope_type 'dynamic'" in stats.reason
-    assert sum("decodes without drafts" in r.getMessage() for r in caplog.records) == 1  # once a model
+    assert sum("without drafts" in r.getMessage() for r in caplog.records) == 1  # once a model
     with pytest.raises(ValueError, match="expected one of"):  # a wrong draft is still an error
         model.generate(ids, max_new_tokens=2, do_sample=False, draft="no-such-draft")
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "head"])
+def test_calls_that_stay_within_the_original_length_draft_and_reuse(reuse, draft):
+    """Below the original length every forward resets a dynamic rotary module to its original frequencies: the
+    reply is plain generate's whatever ran before, with drafts and stored K/V (here after a call past it)."""
+    ids = torch.cat([random_ids(14, 3), random_ids(14, 3)], dim=1)
+    model = _llama(DYNAMIC, positions=96)
+    reuse(model)
+    chosen = make_head_draft(model) if draft == "head" else draft
+    plain = _llama(DYNAMIC, positions=96).generate(ids, max_new_tokens=40, do_sample=False)
+    model.generate(ids, max_new_tokens=80, do_sample=False)  # past 96: the module grows, nothing is stored
+    assert last_request_stats(model).reused_tokens == 0 and "rope_type 'dynamic'" in last_request_stats(model).reason
+    reused = []
+    for _ in range(3):  # (the first stores under the grown frequencies' weight fingerprint: the second misses it)
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, draft=chosen, speculation=ALWAYS)
+        assert torch.equal(out, plain)
+        stats = last_request_stats(model)
+        assert stats.speculation is not None and stats.speculation.drafted_tokens > 0 and stats.reason == ""
+        reused.append(stats.reused_tokens)
+    assert reused[-1] > 0, reused
