@@ -15,9 +15,7 @@ import torch
 
 from kvboost_hf.cache import ChunkReuseCache, KIVICache, ReuseStats
 from kvboost_hf.generation.extension import activate, deactivate, open_sessions
-from kvboost_hf.generation.sequence import longest_sequence
 from kvboost_hf.models import attention
-from kvboost_hf.models.rope import length_dependent_rope
 from kvboost_hf.reuse import ReuseState, commit_request, reuse_state
 from kvboost_hf.store.scope import as_scope
 
@@ -85,11 +83,6 @@ def _request_cache(model, state: ReuseState, inputs, kwargs: dict) -> tuple[Chun
         return None, ""  # an assistant's rounds continue one cache; never reset it (and not a user call)
     if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
         return None, "use_cache=False: no cache, no reuse"
-    rope = length_dependent_rope(model.config, longest_sequence(model, inputs, kwargs))
-    if rope is not None:  # (plain generate's own keys then depend on the rotary module's history)
-        return None, (f"rope_type {rope!r} recomputes its frequencies from each forward's longest position, and this "
-                      "call may pass the model's original length: K/V stored by another forward would differ from "
-                      "this one's, no reuse")
     implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
     if implementation is not None:
         return None, f"cache_implementation={implementation!r}: that cache is used as is, no reuse"

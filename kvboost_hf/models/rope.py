@@ -56,7 +56,9 @@ def length_dependent_rope(config, tokens: int | None = None) -> str | None:
     the frequencies are the original ones whatever came before."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    entries = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    nested = isinstance(params, dict) and "rope_type" not in params and "type" not in params and any(
+        isinstance(v, dict) for v in params.values())  # per layer type (Gemma 3); None: a type without RoPE
+    entries = [v for v in params.values() if isinstance(v, dict)] if nested else [params]
     for entry in entries:
         kind = entry.get("rope_type", entry.get("type", "default")) if isinstance(entry, dict) else "default"
         if not isinstance(kind, str) or not length_dependent(kind):

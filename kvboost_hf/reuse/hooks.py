@@ -26,6 +26,7 @@ from kvboost_hf.reuse.lookup import (
     load_prefix,
     per_position_outputs,
     refusal,
+    rope_refusal,
     select_inputs,
 )
 from kvboost_hf.reuse.repair import RepairContext, ReusePlan, in_inner_forward
@@ -90,7 +91,7 @@ def start_request(module: torch.nn.Module, state: ReuseState, cache: ChunkReuseC
     cache.request = request = ReuseRequest(prompt_tokens=prompt_len)
     if cache.store is None:  # e.g. a prompt cache built with a direct forward: use the enabled store
         cache.store = state.store
-    reason = refusal(cache, kwargs, input_ids)
+    reason = refusal(cache, kwargs, input_ids) or rope_refusal(module)
     if reason:
         stats.reason = reason
         stats.layer_tokens = [prompt_len] * len(cache.layers)

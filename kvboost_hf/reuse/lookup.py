@@ -10,6 +10,7 @@ import torch
 
 from kvboost_hf.cache import ChunkReuseCache
 from kvboost_hf.cache.chunk_reuse import as_batch
+from kvboost_hf.models.rope import length_dependent_rope
 from kvboost_hf.store.keys import Key
 
 
@@ -37,6 +38,15 @@ def refusal(cache: ChunkReuseCache, kwargs: dict, input_ids: torch.Tensor) -> st
         if positions.shape[-1] != input_ids.shape[1] or not bool((positions == expected).all()):
             return "custom position_ids"
     return ""
+
+
+def rope_refusal(module: torch.nn.Module) -> str:
+    """Why ``module``'s RoPE rules out stored K/V ('' when it does not): under a RoPE whose frequencies depend on a
+    forward's longest position (:func:`~kvboost_hf.models.rope.length_dependent_rope`) a key depends on the forward
+    that computed it: its length, and in a packed batch the other rows' positions."""
+    rope = length_dependent_rope(getattr(module, "config", None))
+    return (f"rope_type {rope!r} recomputes its frequencies from each forward's longest position: stored K/V would "
+            "depend on the forward that computed them, no reuse") if rope else ""
 
 
 def per_position_outputs(module: torch.nn.Module, kwargs: dict) -> str:

@@ -83,6 +83,10 @@ def _prepare(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | None) 
             raise ValueError("pass either draft= or assistant_model=, not both")
         draft, assistant = kwargs.pop("assistant_model"), None
     if draft is None and assistant is None:
+        config = kwargs.get("generation_config") or model.generation_config
+        if (kwargs.get("prompt_lookup_num_tokens", getattr(config, "prompt_lookup_num_tokens", None)) is not None
+                and _decodes_plain(model, kwargs, inputs)):
+            return None
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             return SpeculationRequest("hf", _settings(settings), SpeculationStats(draft="hf-prompt-lookup"))
         state = reuse_state(model)
@@ -129,8 +133,9 @@ def _decodes_plain(model: torch.nn.Module, kwargs: dict, inputs: torch.Tensor | 
         logger.warning("%s's rope_type %r recomputes its frequencies from the longest position a forward sees, so "
                        "past its original length a verification's rows would change later keys: calls that may pass "
                        "it decode without drafts, as plain generate", type(model).__name__, rope)
-    for key in ("assistant_model", "assistant_tokenizer", "prompt_lookup_num_tokens"):
+    for key in ("assistant_model", "assistant_tokenizer"):
         kwargs.pop(key, None)
+    kwargs["prompt_lookup_num_tokens"] = None  # (over a generation config's own: HF's prompt lookup drafts too)
     return True
 
 
