@@ -115,6 +115,7 @@ def build_app(args: argparse.Namespace, torch_threads: int | None = None):
     ``torch_threads`` overrides the thread default (a Ray replica gets its CPUs). Every set-up problem
     is a ServeError, raised before the slow steps it would otherwise follow."""
     check_serve_args(args)
+    _schedule_for_rope(args)
     sizes = serve_sizes(args)
     try:
         from kvboost_hf.server.routes.app import context_length, create_app
@@ -174,6 +175,32 @@ def build_app(args: argparse.Namespace, torch_threads: int | None = None):
         warm_texts(model, tokenizer, store, args.warm, args.warm_file, min(limits) if limits else None,
                    scope=app.state.tenancy.startup_scope())
     return app
+
+
+def _schedule_for_rope(args: argparse.Namespace) -> None:
+    """``--scheduler batch`` forwards the rows of many requests at once, and a RoPE whose frequencies depend on a
+    forward's longest position (:func:`~kvboost_hf.models.rope.length_dependent_rope`) would rotate each row by
+    the longest row's: such a model is served by the workers scheduler (one ``generate`` a request, the reply
+    plain ``generate`` gives), by default, and an explicit ``--scheduler batch`` is refused."""
+    if args.model is None or scheduler_of(args) != "batch":
+        return
+    from transformers import AutoConfig
+
+    from kvboost_hf.models.rope import length_dependent_rope
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError):
+        return  # loading the model says what is wrong
+    rope = length_dependent_rope(config)
+    if rope is None:
+        return
+    if args.scheduler == "batch":
+        raise ServeError(f"--scheduler batch: the model's rope_type {rope!r} rotates each row of a batched forward "
+                         "by the longest row's positions, so replies would differ from generate's: use "
+                         "--scheduler workers")
+    logger.info("rope_type %r rotates by a forward's longest position: serving with --scheduler workers", rope)
+    args.scheduler = "workers"
 
 
 def serve(args: argparse.Namespace) -> int:

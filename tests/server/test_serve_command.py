@@ -202,3 +202,22 @@ def test_a_served_cpu_model_is_put_on_huge_pages_with_its_values(tmp_path):
     assert torch.equal(embedding, saved.get_input_embeddings().weight)
     if back_with_huge_pages([torch.randn(8 << 18)]).collapsed:  # this host backs memory with THP
         assert anon_huge_bytes(embedding.data_ptr() + embedding.nbytes // 2) > 0
+
+
+def test_a_model_whose_rope_follows_the_longest_row_is_served_by_workers(tmp_path):
+    """A batched forward would rotate every row by the longest row's positions under dynamic NTK: such a model
+    gets the workers scheduler by default, and an explicit --scheduler batch is a clear error."""
+    from transformers import LlamaConfig
+
+    from kvboost_hf.server.launch import _schedule_for_rope
+
+    LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}).save_pretrained(tmp_path)
+    args = parse("--model", str(tmp_path))
+    _schedule_for_rope(args)
+    assert scheduler_of(args) == "workers"
+    with pytest.raises(ServeError, match="--scheduler workers"):
+        _schedule_for_rope(parse("--model", str(tmp_path), "--scheduler", "batch"))
+    LlamaConfig().save_pretrained(tmp_path)  # a fixed rotation per position: batched as before
+    args = parse("--model", str(tmp_path))
+    _schedule_for_rope(args)
+    assert scheduler_of(args) == "batch"
