@@ -39,7 +39,7 @@ from kvboost_hf.kernels.layer import _hooked
 from kvboost_hf.kernels.layout import Int8Blocks
 from kvboost_hf.kernels.norm import KernelRMSNorm
 from kvboost_hf.kernels.plan import held_or_new_plan
-from kvboost_hf.kernels.rotary import BLOCK, rotary_rows
+from kvboost_hf.kernels.rotary import BLOCK, module_rope_type, rotary_rows
 from kvboost_hf.models.rope import length_dependent
 
 _STEP_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
@@ -120,8 +120,7 @@ def _stateless(module: nn.Module, kind: str | None) -> bool:
     """Whether ``module``'s output for a position depends on that position alone: transformers' rotary modules but
     those that recompute their frequencies from the longest position a call sees (dynamic NTK keeps the largest it
     has seen, so calling it for positions the round never forwards would change the later forwards' keys)."""
-    rope = getattr(module, "rope_type", None)
-    rope = rope.get(kind) if isinstance(rope, dict) else rope
+    rope = module_rope_type(module, kind)
     return type(module).__module__.startswith("transformers.") and isinstance(rope, str) and not length_dependent(rope)
 
 

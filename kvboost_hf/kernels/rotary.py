@@ -81,13 +81,18 @@ def rotary_rows(decoder: nn.Module, hidden: torch.Tensor, positions: torch.Tenso
     return block.cos[:, offset: offset + count], block.sin[:, offset: offset + count]
 
 
+def module_rope_type(module: nn.Module, layer_type: str | None):
+    """``module``'s ``rope_type`` for ``layer_type`` (a rotary module of several layer types keeps a dict of them)."""
+    rope = getattr(module, "rope_type", None)
+    return rope if layer_type is None or not isinstance(rope, dict) else rope.get(layer_type)
+
+
 def _static_source(module: nn.Module | None, layer_type: str | None) -> tuple[torch.Tensor, str] | None:
     """The inverse frequencies and the scale's bits a block is made from, where ``module`` may take blocks (module
     doc)."""
     if module is None or not type(module).__module__.startswith("transformers.") or _hooked(module) or global_hooks():
         return None
-    rope = getattr(module, "rope_type", None)
-    rope = rope if layer_type is None or not isinstance(rope, dict) else rope.get(layer_type)
+    rope = module_rope_type(module, layer_type)
     prefix = "" if layer_type is None else f"{layer_type}_"
     frequencies = module._buffers.get(f"{prefix}inv_freq")
     scaling = getattr(module, f"{prefix}attention_scaling", None)

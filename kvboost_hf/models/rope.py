@@ -29,14 +29,20 @@ class UnsupportedRope(ValueError):
     """The model's positions cannot be moved exactly; approximate reuse is refused."""
 
 
-def _rope_types(config) -> set[str]:
+def _rope_entries(config) -> list[dict]:
+    """The text config's RoPE parameters: one dict, or one per layer type (Gemma 3; a type without RoPE, None, is
+    left out)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3)
-        entries = list(params.values())
-    else:
-        entries = [params]
+    if not isinstance(params, dict):
+        return [{}]
+    if "rope_type" not in params and "type" not in params and any(isinstance(v, dict) for v in params.values()):
+        return [v for v in params.values() if isinstance(v, dict)]
+    return [params]
+
+
+def _rope_types(config) -> set[str]:
     types = set()
-    for entry in entries:
+    for entry in _rope_entries(config):
         if "mrope_section" in entry:
             raise UnsupportedRope("multimodal RoPE (M-RoPE) positions are three-dimensional")
         types.add(entry.get("rope_type", entry.get("type", "default")))
@@ -55,12 +61,8 @@ def length_dependent_rope(config, tokens: int | None = None) -> str | None:
     shorter than the smaller of ``max_position_embeddings`` and the type's ``original_max_position_embeddings``)
     the frequencies are the original ones whatever came before."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    nested = isinstance(params, dict) and "rope_type" not in params and "type" not in params and any(
-        isinstance(v, dict) for v in params.values())  # per layer type (Gemma 3); None: a type without RoPE
-    entries = [v for v in params.values() if isinstance(v, dict)] if nested else [params]
-    for entry in entries:
-        kind = entry.get("rope_type", entry.get("type", "default")) if isinstance(entry, dict) else "default"
+    for entry in _rope_entries(config):
+        kind = entry.get("rope_type", entry.get("type", "default"))
         if not isinstance(kind, str) or not length_dependent(kind):
             continue
         limits = [v for v in (getattr(config, "max_position_embeddings", None),

@@ -76,3 +76,14 @@ def test_mla_is_refused():
     model.config.kv_lora_rank = 16
     with pytest.raises(UnsupportedRope, match="MLA"):
         RopeShifter.for_model(model)
+
+
+def test_a_layer_type_without_rope_leaves_the_others_read():
+    """Per-layer-type parameters with a None entry (a layer type without RoPE) were read as one flat dict, which
+    reported the default type and hid a dynamic one."""
+    from kvboost_hf.models.rope import _rope_types
+
+    class Config:
+        rope_parameters = {"sliding_attention": {"rope_type": "dynamic", "factor": 2.0}, "full_attention": None}
+
+    assert _rope_types(Config()) == {"dynamic"}
