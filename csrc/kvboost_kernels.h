@@ -104,9 +104,13 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
                  bool vbmi);
 // Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations (head_avx512bf16.cpp): 16 lanes of k-pairs, then
 // the fixed tree. With `rounded` the results go to it as bf16 (rounded as .to(bfloat16) rounds, NaN as 0x7FC0;
-// `out` unused), else to `out` as float. `one_row_passes`: one weight row a pass at every row count (the same bits).
-void bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1, float* out,
-               uint16_t* rounded, int64_t ldo, bool one_row_passes);
+// `out` unused), else to `out` as float. `xi`: x as interleave_rows lays it out, for passes over two weight rows from
+// KVB_HEAD_PAIR_ROWS rows on; nullptr: one weight row a pass at every row count (the same bits).
+void bf16_rows(const uint16_t* x, const uint16_t* xi, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1,
+               float* out, uint16_t* rounded, int64_t ldo);
+// x [m, k] into xi (m * k elements) in blocks of 9 rows (the last may be fewer), each block's 32-element chunks with
+// the block's rows side by side: chunk i / 32 of row r0 + r at xi[r0 * k + i * rows + 32 * r].
+void interleave_rows(const uint16_t* x, int64_t m, int64_t k, uint16_t* xi);
 }
 
 // The AMX path (gemm_amx.cpp): int4 weights with bf16 activations on tiles, group sizes a multiple of 32,
@@ -147,6 +151,8 @@ constexpr int64_t KVB_MAX_ROW_TILE = 8;
 constexpr int64_t KVB_MIN_ROW_TILE = 4;
 
 // Row-major weights stream from DRAM: the passes that prefetch them (gemm_body.inc's tile_nk,
-// head_avx512bf16.cpp's tile_rows) fetch the weight row this many rows ahead into L2 and into L1.
+// head_avx512bf16.cpp's pair_tile) fetch the weight row this many rows ahead into L2 and into L1.
 constexpr int64_t KVB_NK_AHEAD_L2 = 16;
 constexpr int64_t KVB_NK_AHEAD_L1 = 4;
+// From how many rows the avx512_bf16 row-major bf16 kernel passes over two weight rows at a time (bf16_rows).
+constexpr int64_t KVB_HEAD_PAIR_ROWS = 4;

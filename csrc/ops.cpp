@@ -49,7 +49,8 @@ bool set_vbmi(bool allowed) {
 
 // Up to how many rows the row-major bf16 kernel of the avx512_bf16 path passes over one weight row at a time rather
 // than two (head_avx512bf16.cpp, bf16_rows): up to a verification's 9 on AMD Zen 5 and later (family 26 on), where
-// that was measured faster; never elsewhere (the pairs were measured faster on Zen 4). The same bits either way.
+// that was measured faster than the pairs as they were before their activations were interleaved (session 30; not
+// measured since on Zen 5); never elsewhere (the pairs were measured faster on Zen 4). The same bits either way.
 int64_t host_one_row_passes() {
   __builtin_cpu_init();
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -224,9 +225,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
     auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    const bool one_row = m <= g_one_row_passes.load();
+    at::Tensor interleaved;  // for passes over two weight rows: x laid out once per call, read by every thread
+    if (m >= KVB_HEAD_PAIR_ROWS && m > g_one_row_passes.load()) {
+      interleaved = at::empty_like(xb);
+      kvb_avx512bf16::interleave_rows(xp, m, k, reinterpret_cast<uint16_t*>(interleaved.data_ptr()));
+    }
+    const auto* xi = interleaved.defined() ? reinterpret_cast<const uint16_t*>(interleaved.data_ptr()) : nullptr;
     balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
-      for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, m, k, wp, n0, n1, nullptr, op, n, one_row);
+      for (int64_t n0, n1; take(n0, n1);) kvb_avx512bf16::bf16_rows(xp, xi, m, k, wp, n0, n1, nullptr, op, n);
     });
     return out;
   }

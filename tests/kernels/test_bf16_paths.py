@@ -194,7 +194,7 @@ def test_the_avx512_bf16_row_major_path_is_its_definition(built):
         for passes in (0, 9, 20):  # one weight row a pass up to that many rows (two from 4 rows on beyond)
             kernels.set_one_row_passes(passes)
             assert torch.equal(kernels.linear(x, weight), out), passes
-            for m in (1, 2, 4, 5, 6, 9, 10, 19):
+            for m in (1, 2, 4, 5, 6, 9, 10, 13, 18, 19):  # 13, 18: a later 9-row block of 4 or 9 rows
                 assert torch.equal(kernels.linear(x[:m], weight), out[:m]), (passes, m)
         kernels.set_one_row_passes(None)
         kernels.select_isa("avx512")  # float32 activations, or another path: the float32 order
