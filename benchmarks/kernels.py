@@ -30,7 +30,8 @@ host's best (the avx512_bf16 process always does). Per process, interleaved, med
   After one untimed rep, each rep of the whole model also reads the bandwidth probe again (huge pages), and the targets' ratios are taken
   per rep, then their median and range: the step's share of its floor (the bytes a step reads, the decoder's layers
   and the head, at that rep's probe), the 9-row exact forward, the draft token and the prefill against the step or the
-  float model of the same rep (memory speed moves within a run: ratios of medians taken minutes apart mislead).
+  float model of the same rep (memory speed moves within a run: ratios of medians taken minutes apart mislead); and
+  each rep one more step with the probe read right before and right after it, its share of the floor at their mean.
 
     python benchmarks/kernels.py [--reps 7] [--paths avx512_bf16,avx512,avx2] [--name kernels]
 
@@ -158,7 +159,7 @@ def whole_model(reps: int) -> dict:
         return cache
 
     times = ForwardTimes(prompt, long, prefilled)
-    probe, bandwidth = BandwidthProbe(huge_pages=True, reps=3), []
+    probe, bandwidth, bracketed = BandwidthProbe(huge_pages=True, reps=3), [], []
 
     # HF's RMSNorm modules of the float model (bf16(w), where the packed checkpoint holds bf16(fp16(w)):
     # the same ops and shapes, for timing only; "GEMMs only" logits are not compared).
@@ -189,12 +190,14 @@ def whole_model(reps: int) -> dict:
         samples["int4 self-draft"]["step"].append(times.step(draft) * 1e3)
         samples["int4 self-draft"]["round8_token"].append(draft_round(draft, times) * 1e3)
         samples["head draft (16k)"]["round8_token"].append(head_round(models["kvboost"], head_draft, times) * 1e3)
+        bracketed.append(bracketed_step(models["kvboost"], times, probe))
     text = {name: m.generate(prompt[:, :64], max_new_tokens=24, do_sample=False)[0, 64:].tolist()
             for name, m in models.items()}
     del probe
     return {"ms": {name: {k: median(v) for k, v in s.items()} for name, s in samples.items()},
             "bandwidth_huge_gbs_per_rep": bandwidth, "step_bytes": step_bytes(models["kvboost"]),
-            "targets": target_ratios(samples, bandwidth, step_bytes(models["kvboost"])),
+            "targets": target_ratios(samples, bandwidth, step_bytes(models["kvboost"]), bracketed),
+            "bracketed_steps": [{"ms": ms, "probe_before_gbs": a, "probe_after_gbs": b} for ms, a, b in bracketed],
             "greedy_same_as_torch_int4": {name: t == text["torch"] for name, t in text.items()}}
 
 
@@ -211,18 +214,34 @@ def step_bytes(model) -> int:
     return total
 
 
-def target_ratios(samples: dict, bandwidth: list[float], nbytes: int) -> dict:
-    """Issue 26's ratios, each taken within one rep and then summarized (median, min, max over the reps)."""
+def bracketed_step(model, times, probe) -> tuple[float, float, float]:
+    """(ms, GB/s before, GB/s after): a decode step (after ``times.prefilled``) with the bandwidth probe read right
+    before and right after it. The rep's one probe is read before all its forwards, and memory speed moves within a
+    rep: on a Zen 4 (session 29) the probe read 33-58 GB/s rep to rep while the step read the head at ~30, and a C read
+    loop beside it topped at 30-33; a floor read beside the step itself is the fairer one for its share."""
+    cache = times.prefilled(model)
+    before = probe()
+    start = time.perf_counter()
+    model(times.prompt[:, -1:], past_key_values=cache, use_cache=True)
+    ms = (time.perf_counter() - start) * 1e3
+    return ms, before, probe()
+
+
+def target_ratios(samples: dict, bandwidth: list[float], nbytes: int, bracketed: list[tuple] = ()) -> dict:
+    """Issue 26's ratios, each taken within one rep and then summarized (median, min, max over the reps). The step's
+    share of its floor twice: at the rep's probe ("step_floor_share"), and for the bracketed step at the mean of the
+    probes read right before and after it ("step_floor_share_bracketed")."""
     ours, draft, fp = samples["kvboost"], samples["int4 self-draft"], samples["bf16 float"]
     per_rep = {
         "step_floor_share": [nbytes / (gbs * 1e9) * 1e3 / ms for gbs, ms in zip(bandwidth, ours["step"])],
+        "step_floor_share_bracketed": [nbytes / ((a + b) / 2 * 1e9) * 1e3 / ms for ms, a, b in bracketed],
         "verify9_exact_over_step": [v / s for v, s in zip(ours["verify9_exact"], ours["step"])],
         "draft_round8_token_over_step": [d / s for d, s in zip(draft["round8_token"], ours["step"])],
         "head_draft_round8_token_over_step": [d / s for d, s in zip(samples["head draft (16k)"]["round8_token"],
                                                                       ours["step"])],
         "prefill256_over_float": [p / f for p, f in zip(ours["prefill256"], fp["prefill256"])],
     }
-    return {name: {"median": median(v), "min": min(v), "max": max(v)} for name, v in per_rep.items()}
+    return {name: {"median": median(v), "min": min(v), "max": max(v)} for name, v in per_rep.items() if v}
 
 
 def draft_round(draft, times, tokens: int = 8) -> float:
