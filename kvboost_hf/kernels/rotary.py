@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from kvboost_hf.kernels.layer import _hooked, global_hooks
+from kvboost_hf.models.rope import STATIC_ROPE_TYPES
 
 BLOCK = 64  # positions per block: a decode step moves one position, so a block is made every 64 steps
 BLOCKS_ATTR = "_kvboost_rotary_blocks"  # a fused decoder's attribute: {layer type: _Block or _Refused}
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # frequencies fixed at the module's init
 _VECTOR_PAIR = 32  # floats in ATen's widest pair of vectors (AVX-512): head sizes it divides run all-vector
 
 

@@ -22,7 +22,11 @@ from kvboost_hf.models.shape import head_dim
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope_types whose inverse frequencies are fixed when the rotary module is made (none depends on a forward's length or
+# positions): a delta rotation between positions is then exact (RopeShifter), and the kernels' rotary blocks, made
+# once per 64 positions, equal the module's own rows (kernels.rotary).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+SUPPORTED_ROPE_TYPES = tuple(sorted(STATIC_ROPE_TYPES))  # what RopeShifter moves, named in its errors
 
 
 class UnsupportedRope(ValueError):
