@@ -125,7 +125,9 @@ void bf16_rows(const uint16_t* x, const uint16_t* xi, int64_t m, int64_t k, cons
             pair_tile<decltype(r)::value, 2>(xi + r0 * k, k, w + n * k, o + (n - c0), ld);
           });
       for (; n < c1; ++n)
-        with_rows<1, kPassRows>(rows, [&](auto r) { one_row_pass<decltype(r)::value>(xr, k, w + n * k, o + (n - c0), ld); });
+        with_rows<1, kPassRows>(rows, [&](auto r) {
+          one_row_pass<decltype(r)::value>(xr, k, w + n * k, o + (n - c0), ld);
+        });
       if (rounded != nullptr)
         for (int64_t r = 0; r < rows; ++r)
           kvb_avx512::round_to_bf16(chunk + r * 32, c1 - c0, rounded + (r0 + r) * ldo + c0);

@@ -106,8 +106,8 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
 // the fixed tree. With `rounded` the results go to it as bf16 (rounded as .to(bfloat16) rounds, NaN as 0x7FC0;
 // `out` unused), else to `out` as float. `xi`: x as interleave_rows lays it out, for passes over two weight rows from
 // KVB_HEAD_PAIR_ROWS rows on; nullptr: one weight row a pass at every row count (the same bits).
-void bf16_rows(const uint16_t* x, const uint16_t* xi, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1,
-               float* out, uint16_t* rounded, int64_t ldo);
+void bf16_rows(const uint16_t* x, const uint16_t* xi, int64_t m, int64_t k, const uint16_t* w, int64_t n0,
+               int64_t n1, float* out, uint16_t* rounded, int64_t ldo);
 // x [m, k] into xi (m * k elements) in blocks of 9 rows (the last may be fewer), each block's 32-element chunks with
 // the block's rows side by side: chunk i / 32 of row r0 + r at xi[r0 * k + i * rows + 32 * r].
 void interleave_rows(const uint16_t* x, int64_t m, int64_t k, uint16_t* xi);
