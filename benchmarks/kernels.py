@@ -227,7 +227,7 @@ def bracketed_step(model, times, probe) -> tuple[float, float, float]:
     return ms, before, probe()
 
 
-def target_ratios(samples: dict, bandwidth: list[float], nbytes: int, bracketed: list[tuple] = ()) -> dict:
+def target_ratios(samples: dict, bandwidth: list[float], nbytes: int, bracketed: list[tuple]) -> dict:
     """Issue 26's ratios, each taken within one rep and then summarized (median, min, max over the reps). The step's
     share of its floor twice: at the rep's probe ("step_floor_share"), and for the bracketed step at the mean of the
     probes read right before and after it ("step_floor_share_bracketed")."""
@@ -241,7 +241,7 @@ def target_ratios(samples: dict, bandwidth: list[float], nbytes: int, bracketed:
                                                                       ours["step"])],
         "prefill256_over_float": [p / f for p, f in zip(ours["prefill256"], fp["prefill256"])],
     }
-    return {name: {"median": median(v), "min": min(v), "max": max(v)} for name, v in per_rep.items() if v}
+    return {name: {"median": median(v), "min": min(v), "max": max(v)} for name, v in per_rep.items()}
 
 
 def draft_round(draft, times, tokens: int = 8) -> float:

@@ -31,7 +31,7 @@ namespace {
 // 4 and 6 rows still gained 1.31x / 1.16x, but 9 rows lost (5.35 -> 5.76 ms: there the extra activation loads
 // bound the passes). From 12 rows (two passes over each chunk) the pairs stay ahead: 12 rows 0.97x, 17 rows 0.95x.
 constexpr int kPairRows = KVB_HEAD_PAIR_ROWS;
-constexpr int64_t kPassRows = 9;
+constexpr int64_t kPassRows = KVB_HEAD_PASS_ROWS;
 // Into L1 8 weight rows ahead here, not KVB_NK_AHEAD_L1's 4: the 262k x 640 head at 9 rows on Zen 5, alternated in
 // one process (10 rounds): 1.057x (12 ahead 1.049x; 2 or 4 ahead into L1 with 8-64 into L2 0.95-1.04x).
 constexpr int64_t kL1Ahead = 8;
@@ -50,9 +50,12 @@ inline float tree(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
 }
 
-// One weight row over MR rows of x (row stride k).
+// One weight row over MR rows of x (row stride k), out of line: inlined into bf16_rows beside the pair passes, GCC 12
+// ran short of registers at 9 rows (the row pointers reloaded from the stack and each weight vector bounced through
+// it, every step), and the head's 9 rows took 10.8 ms in one-row passes against 9.2 in pairs (the same process); out
+// of line, 6.8-7.1.
 template <int MR>
-inline void one_row_tile(const uint16_t* x, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
+__attribute__((noinline)) void one_row_pass(const uint16_t* x, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 32) {
@@ -63,19 +66,12 @@ inline void one_row_tile(const uint16_t* x, int64_t k, const uint16_t* w, float*
   for (int r = 0; r < MR; ++r) out[r * ldo] = tree(acc[r]);
 }
 
-// A pass of one weight row, out of line: inlined into bf16_rows beside the pair passes, GCC 12 ran short of registers
-// at 9 rows (the row pointers reloaded from the stack and each weight vector bounced through it, every step), and
-// the head's 9 rows took 10.8 ms in one-row passes against 9.2 in pairs (the same process); out of line, 6.8-7.1.
-template <int MR>
-__attribute__((noinline)) void one_row_pass(const uint16_t* x, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
-  one_row_tile<MR>(x, k, w, out, ldo);
-}
-
-// NW weight rows over MR rows of x interleaved (interleave_rows: each 32-element chunk's MR rows side by side), so that
-// one pointer reaches every row's activations at a fixed offset. With a pointer per row (x's own layout), GCC 12 ran
-// out of registers at 9 rows and two weight rows: it reloaded row pointers from the stack and bounced three activation
-// vectors through one stack slot every chunk (a 512-bit store and load each), and the 262k x 640 head at 9 rows ran at
-// 95 GMAC/s in cache on two Zen 4 threads (vdpbf16ps alone: 230). The same operations in the same order either way.
+// NW weight rows over MR rows of x interleaved (kvb_interleave_rows: each 32-element chunk's MR rows side by side), so
+// that one pointer reaches every row's activations at a fixed offset. With a pointer per row (x's own layout), GCC 12
+// ran out of registers at 9 rows and two weight rows: it reloaded row pointers from the stack and bounced three
+// activation vectors through one stack slot every chunk (a 512-bit store and load each), and the 262k x 640 head at 9
+// rows ran at 95 GMAC/s in cache on two Zen 4 threads (vdpbf16ps alone: 230). The same operations in the same order
+// either way.
 template <int MR, int NW>
 inline void pair_tile(const uint16_t* xi, int64_t k, const uint16_t* w, float* out, int64_t ldo) {
   __m512 acc[NW][MR];
@@ -98,15 +94,6 @@ inline void pair_tile(const uint16_t* xi, int64_t k, const uint16_t* w, float* o
 }
 
 }  // namespace
-
-void interleave_rows(const uint16_t* x, int64_t m, int64_t k, uint16_t* xi) {
-  for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {
-    const int64_t rows = m - r0 < kPassRows ? m - r0 : kPassRows;
-    for (int64_t i = 0; i < k; i += 32)
-      for (int64_t r = 0; r < rows; ++r)
-        _mm512_storeu_si512(xi + r0 * k + i * rows + 32 * r, _mm512_loadu_si512(x + (r0 + r) * k + i));
-  }
-}
 
 void bf16_rows(const uint16_t* x, const uint16_t* xi, int64_t m, int64_t k, const uint16_t* w, int64_t n0, int64_t n1,
                float* out, uint16_t* rounded, int64_t ldo) {

@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 // Weight-only GEMM kernels for the models kvboost_hf owns: out[m, n] = sum_k x[m, k] * w[k, n].
 //
@@ -104,13 +105,11 @@ void int4_blocks(const uint16_t* x, int64_t m, int64_t k, const uint8_t* q, cons
                  bool vbmi);
 // Row-major bf16 weight [N, K] (K a multiple of 32) with bf16 activations (head_avx512bf16.cpp): 16 lanes of k-pairs, then
 // the fixed tree. With `rounded` the results go to it as bf16 (rounded as .to(bfloat16) rounds, NaN as 0x7FC0;
-// `out` unused), else to `out` as float. `xi`: x as interleave_rows lays it out, for passes over two weight rows from
-// KVB_HEAD_PAIR_ROWS rows on; nullptr: one weight row a pass at every row count (the same bits).
+// `out` unused), else to `out` as float. `xi`: x as kvb_interleave_rows lays it out in blocks of KVB_HEAD_PASS_ROWS,
+// for passes over two weight rows from KVB_HEAD_PAIR_ROWS rows on; nullptr: one weight row a pass at every row count
+// (the same bits).
 void bf16_rows(const uint16_t* x, const uint16_t* xi, int64_t m, int64_t k, const uint16_t* w, int64_t n0,
                int64_t n1, float* out, uint16_t* rounded, int64_t ldo);
-// x [m, k] into xi (m * k elements) in blocks of 9 rows (the last may be fewer), each block's 32-element chunks with
-// the block's rows side by side: chunk i / 32 of row r0 + r at xi[r0 * k + i * rows + 32 * r].
-void interleave_rows(const uint16_t* x, int64_t m, int64_t k, uint16_t* xi);
 }
 
 // The AMX path (gemm_amx.cpp): int4 weights with bf16 activations on tiles, group sizes a multiple of 32,
@@ -154,5 +153,23 @@ constexpr int64_t KVB_MIN_ROW_TILE = 4;
 // head_avx512bf16.cpp's pair_tile) fetch the weight row this many rows ahead into L2 and into L1.
 constexpr int64_t KVB_NK_AHEAD_L2 = 16;
 constexpr int64_t KVB_NK_AHEAD_L1 = 4;
-// From how many rows the avx512_bf16 row-major bf16 kernel passes over two weight rows at a time (bf16_rows).
+// The avx512_bf16 row-major bf16 kernel (bf16_rows): up to this many rows a pass, and from this many over two weight
+// rows at a time.
+constexpr int64_t KVB_HEAD_PASS_ROWS = 9;
 constexpr int64_t KVB_HEAD_PAIR_ROWS = 4;
+
+// x's m rows (row_bytes each, a multiple of 64) into xi in blocks of `block` rows (the last may be fewer), each
+// block's 64-byte chunks with the block's rows side by side: chunk c of row r0 + r at byte
+// r0 * row_bytes + (c * rows + r) * 64. The row-major kernels' passes over two weight rows read x so
+// (head_avx512bf16.cpp, gemm_body.inc): one pointer reaches every row's chunk, where a pointer per row ran GCC 12 out
+// of registers at 9 rows.
+inline void kvb_interleave_rows(const void* x, int64_t m, int64_t row_bytes, int64_t block, void* xi) {
+  const auto* src = static_cast<const char*>(x);
+  auto* dst = static_cast<char*>(xi);
+  for (int64_t r0 = 0; r0 < m; r0 += block) {
+    const int64_t rows = m - r0 < block ? m - r0 : block;
+    for (int64_t c = 0; c < row_bytes / 64; ++c)
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(dst + r0 * row_bytes + (c * rows + r) * 64, src + (r0 + r) * row_bytes + c * 64, 64);
+  }
+}

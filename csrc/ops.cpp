@@ -228,7 +228,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     at::Tensor interleaved;  // for passes over two weight rows: x laid out once per call, read by every thread
     if (m >= KVB_HEAD_PAIR_ROWS && m > g_one_row_passes.load()) {
       interleaved = at::empty_like(xb);
-      kvb_avx512bf16::interleave_rows(xp, m, k, reinterpret_cast<uint16_t*>(interleaved.data_ptr()));
+      kvb_interleave_rows(xp, m, k * int64_t{sizeof(uint16_t)}, KVB_HEAD_PASS_ROWS, interleaved.data_ptr());
     }
     const auto* xi = interleaved.defined() ? reinterpret_cast<const uint16_t*>(interleaved.data_ptr()) : nullptr;
     balanced_for(n, chunk_of(n, 64), [&](const auto& take) {
