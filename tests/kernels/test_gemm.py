@@ -291,7 +291,7 @@ def test_row_major_linear_matches_reference_rows_and_paths(dtype, isa_paths):
         assert torch.equal(out, alone), isa
         for m in range(1, 40):  # every pass size, and passes of several sizes after one another
             assert torch.equal(kernels.linear(x[:m], weight), out[:m]), (isa, m)
-        # rows enough that the AVX-512 path's interleaved copy of x is freed after the call, not kept (gemm_body.inc)
+        # many 9-row blocks of the AVX-512 path's interleaved copy of x (gemm_body.inc), against pieces of 40 rows
         many = torch.randn(450, 160, generator=gen)
         pieces = torch.cat([kernels.linear(many[i : i + 40], weight) for i in range(0, 450, 40)])
         assert torch.equal(kernels.linear(many, weight), pieces), isa
