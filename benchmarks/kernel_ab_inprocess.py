@@ -36,9 +36,9 @@ from kvboost_hf.kernels.build import CFLAGS  # noqa: E402  (the extension's own 
 UNITS = {"avx2": ("gemm_avx2.cpp", "kvb_avx2"), "avx512": ("gemm_avx512.cpp", "kvb_avx512"),
          "scalar": ("gemm_scalar.cpp", "kvb_scalar")}
 
+# The library headers first: a unit's target pragma (avx2, avx512) would otherwise apply to their first inclusion,
+# which GCC 12 then rejects as a second declaration when the driver includes them again under its own target.
 DRIVER = r"""
-#include "a/UNIT"
-#include "b/UNIT"
 #include <omp.h>
 #include <algorithm>
 #include <atomic>
@@ -47,6 +47,8 @@ DRIVER = r"""
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#include "a/UNIT"
+#include "b/UNIT"
 
 struct Linear { int64_t n, k; uint8_t* q; float* s; float* z; };
 typedef void (*Int4Fn)(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t,

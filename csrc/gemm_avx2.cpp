@@ -6,8 +6,6 @@
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
-#include <vector>
-
 namespace kvb_avx2 {
 namespace {
 

@@ -5,8 +5,6 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #include <immintrin.h>
 
-#include <vector>
-
 namespace kvb_avx512 {
 namespace {
 

@@ -1,7 +1,6 @@
 // The portable path: plain C++ with std::fma, for hosts without AVX2 and as the reference that the
 // vector paths must equal bit for bit (tests/kernels).
 #include <cmath>
-#include <vector>
 
 #include "kvboost_kernels.h"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -129,3 +130,61 @@ def test_a_build_error_summary_prefers_compiler_errors_to_the_command_tail():
     assert build_error_summary(text) == "/src/ops.cpp:3:10: fatal error: Python.h: No such file or directory"
     silent = f"RuntimeError: Error building extension 'k': [1/2] {command}\nFAILED: ops.o\n{command}\nninja: build stopped"
     assert build_error_summary(silent, limit=80) == silent[-80:]
+
+
+# A unit compiled under `#pragma GCC target` compiles what it includes there for that ISA: a library template's
+# members (std::vector's, say) would be AVX-512 code that the linker may keep as the one copy the whole library
+# calls, on any CPU, and GCC 13 refuses to inline std::allocator into such members at all. So library headers come
+# before the pragma (gemm_amx.cpp), where their templates keep the generic target; immintrin.h belongs after it,
+# and type_traits holds types only.
+_HEADERS_AFTER_A_TARGET = {"immintrin.h", "type_traits"}
+
+
+def headers_under_target_pragmas(csrc: Path) -> list[str]:
+    """Each library header that a unit of ``csrc`` includes after its target pragma (itself or through a body it
+    includes there), as ``unit: <header>``."""
+    found = []
+    for name in kernels.build.SOURCES:
+        text = (csrc / name).read_text()
+        at = text.find("#pragma GCC target")
+        if at < 0:
+            continue
+        tail = text[at:]
+        for body in [tail] + [(csrc / inc).read_text() for inc in re.findall(r'#include "([^"]+)"', tail)]:
+            found += [f"{name}: <{h}>" for h in re.findall(r"#include <([^>]+)>", body)
+                      if h not in _HEADERS_AFTER_A_TARGET]
+    return found
+
+
+def test_isa_units_include_no_library_header_under_their_target_pragma(tmp_path: Path):
+    from kvboost_hf.kernels.build import source_dir
+
+    assert headers_under_target_pragmas(source_dir()) == []
+    planted = tmp_path / "csrc"
+    shutil.copytree(source_dir(), planted)
+    unit = planted / "gemm_avx512.cpp"
+    unit.write_text(unit.read_text().replace("#include <immintrin.h>", "#include <immintrin.h>\n#include <vector>"))
+    body = planted / "gemm_body.inc"
+    body.write_text("#include <algorithm>\n" + body.read_text())
+    assert headers_under_target_pragmas(planted) == [
+        "gemm_avx2.cpp: <algorithm>", "gemm_avx512.cpp: <vector>", "gemm_avx512.cpp: <algorithm>"]
+
+
+def test_isa_units_define_no_code_the_linker_could_share(built):
+    """No weak (vague-linkage) definitions in an ISA unit's object: such a copy, compiled for that ISA, is the one
+    the linker may keep for every caller in the library."""
+    from kvboost_hf.kernels.build import load_library
+
+    folder = Path(load_library().library).parent
+    nm = shutil.which("nm")
+    assert nm is not None, "nm (binutils, installed with g++) is needed to read the kernels' objects"
+    units = [name for name in kernels.build.SOURCES if "#pragma GCC target" in (
+        kernels.build.source_dir() / name).read_text()]
+    assert {"gemm_avx2.cpp", "gemm_avx512.cpp", "gemm_amx.cpp"} <= set(units)
+    shared = {}
+    for name in units:
+        listing = subprocess.run([nm, "--defined-only", "-P", str(folder / (Path(name).stem + ".o"))],
+                                 capture_output=True, text=True, check=True).stdout
+        symbols = [line.split() for line in listing.splitlines() if line.strip()]
+        shared[name] = [s[0] for s in symbols if s[1] in "WwVvu" and not s[0].startswith("DW.ref.")]
+    assert shared == {name: [] for name in units}
