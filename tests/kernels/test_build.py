@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,16 +140,18 @@ def test_a_build_error_summary_prefers_compiler_errors_to_the_command_tail():
 _HEADERS_AFTER_A_TARGET = {"immintrin.h", "type_traits"}
 
 
+def under_target_pragmas(csrc: Path) -> dict[str, str]:
+    """Each unit of ``csrc`` compiled under a target pragma, and its text from the pragma on."""
+    texts = {name: (csrc / name).read_text() for name in kernels.build.SOURCES}
+    return {name: text[text.find("#pragma GCC target"):] for name, text in texts.items()
+            if "#pragma GCC target" in text}
+
+
 def headers_under_target_pragmas(csrc: Path) -> list[str]:
     """Each library header that a unit of ``csrc`` includes after its target pragma (itself or through a body it
     includes there), as ``unit: <header>``."""
     found = []
-    for name in kernels.build.SOURCES:
-        text = (csrc / name).read_text()
-        at = text.find("#pragma GCC target")
-        if at < 0:
-            continue
-        tail = text[at:]
+    for name, tail in under_target_pragmas(csrc).items():
         for body in [tail] + [(csrc / inc).read_text() for inc in re.findall(r'#include "([^"]+)"', tail)]:
             found += [f"{name}: <{h}>" for h in re.findall(r"#include <([^>]+)>", body)
                       if h not in _HEADERS_AFTER_A_TARGET]
@@ -178,8 +180,7 @@ def test_isa_units_define_no_code_the_linker_could_share(built):
     folder = Path(load_library().library).parent
     nm = shutil.which("nm")
     assert nm is not None, "nm (binutils, installed with g++) is needed to read the kernels' objects"
-    units = [name for name in kernels.build.SOURCES if "#pragma GCC target" in (
-        kernels.build.source_dir() / name).read_text()]
+    units = list(under_target_pragmas(kernels.build.source_dir()))
     assert {"gemm_avx2.cpp", "gemm_avx512.cpp", "gemm_amx.cpp"} <= set(units)
     shared = {}
     for name in units:
