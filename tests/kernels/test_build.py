@@ -111,10 +111,11 @@ def test_a_failed_compile_names_the_compiler_error_and_keeps_the_whole_output(tm
 
     broken = tmp_path / "csrc"
     shutil.copytree(source_dir(), broken)
+    # A missing header stops each unit at once (an #error would not: GCC goes on through torch's headers, ~60 s)
     for source in broken.glob("*.cpp"):
-        source.write_text("#error planted by the test\n" + source.read_text())
+        source.write_text('#include "planted-by-the-test.h"\n' + source.read_text())
     got = probe(KVBOOST_HF_CSRC=str(broken), KVBOOST_HF_CACHE=str(tmp_path / "cache"))
-    assert got["built"] is False and "planted by the test" in got["reason"]
+    assert got["built"] is False and "planted-by-the-test.h" in got["reason"]
     logs = list((tmp_path / "cache" / "kernels").glob("*/build-error.log"))
     assert len(logs) == 1 and str(logs[0]) in got["reason"] and "FAILED" in logs[0].read_text()
     assert got["log"].count("kernels unavailable") == 1
